@@ -1,0 +1,9 @@
+"""Generic training-loop hooks for overlap-muon: gradient-ready signals and forward waits.
+
+No optimizer knowledge: hooks report param indices and call back; the caller decides what to launch or wait on.
+"""
+
+from .forward_wait import register_forward_waits
+from .grad_ready import GradReadyTracker, ddp_readiness_hook
+
+__all__ = ["GradReadyTracker", "ddp_readiness_hook", "register_forward_waits"]

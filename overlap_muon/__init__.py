@@ -1,0 +1,7 @@
+"""overlap-muon: layer-sharded Muon whose optimizer work hides inside backward and the next forward."""
+
+from .config import OverlapMuonConfig, resolve_config
+from .ns import adjusted_lr, ns_flops, zeropower
+from .optimizer import OverlapMuon
+
+__all__ = ["OverlapMuon", "OverlapMuonConfig", "resolve_config", "zeropower", "ns_flops", "adjusted_lr"]

@@ -1,0 +1,22 @@
+"""Planning for overlap-muon: NS cost model, NS home assignment, waves and their dispatch.
+
+Pure Python: nothing here needs a process group, a device or a stream, and every plan is a deterministic
+function of its inputs, so all ranks compute the same one without communicating.
+"""
+
+from .cost import ns_bytes, ns_flops
+from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
+from .waves import ReadinessRecorder, Wave, WaveDispatcher, plan_waves
+
+__all__ = [
+    "ns_flops",
+    "ns_bytes",
+    "lpt_homes",
+    "round_robin_homes",
+    "LoadReport",
+    "load_report",
+    "Wave",
+    "plan_waves",
+    "WaveDispatcher",
+    "ReadinessRecorder",
+]

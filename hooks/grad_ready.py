@@ -1,0 +1,206 @@
+"""Gradient-ready signals: per-param autograd hooks, and a DDP comm hook that signals per averaged bucket.
+
+Generic: these report *param indices*; what happens next (a wave dispatcher, a recorder) is the caller's.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+__all__ = ["GradReadyTracker", "ddp_readiness_hook"]
+
+
+class GradReadyTracker:
+    """Calls ``on_ready(i)`` when param ``i``'s gradient has been accumulated into ``param.grad``.
+
+    Hooks are ``register_post_accumulate_grad_hook`` hooks, so they fire after ``.grad`` holds the whole
+    gradient of this backward (a param used several times in the graph fires once, after the sum). They work
+    for plain and DTensor params; FSDP2 calls them itself once it has reduce-scattered the sharded ``.grad``
+    (``_fsdp_collectives.foreach_reduce``). On CUDA the hook runs on the CPU thread when the work producing the
+    grad has been *enqueued*; stream ordering is the consumer's business.
+
+    [Note: end of backward] ``on_backward_end`` must run once after the last gradient of a backward pass, so
+    that params whose hooks never fired (unused, no grad) can be flushed (DESIGN.md §4 invariant 3). Autograd
+    has no public per-parameter-set "backward done" hook, but its engine runs callbacks queued with
+    ``Variable._execution_engine.queue_callback`` once the current graph task has finished (this is how DDP
+    and FSDP finalize). The first hook that fires in a graph task queues it; the graph task id
+    (``torch._C._current_graph_task_id``) tells "first in this backward" apart, so an aborted backward cannot
+    leave a stale "already queued" flag. Limitation: with reentrant activation checkpointing
+    (``use_reentrant=True``) the hooks of params inside a checkpointed region run in a nested graph task and the
+    callback fires at the end of that nested task; use ``use_reentrant=False``.
+
+    Args:
+        params: the params to watch; index ``i`` is the position in this sequence. A tensor listed twice (tied
+            weights) is hooked once and reported under its first index. Params with ``requires_grad=False``
+            never get a gradient and are not hooked.
+        on_ready: called with the param index, on the thread autograd runs the hook on (not necessarily the
+            thread that called ``backward``).
+        on_backward_end: called once at the end of each backward pass in which at least one hook fired while
+            the tracker was enabled.
+
+    Attributes:
+        enabled: when False the hooks do nothing (no ``on_ready``, no end callback): set it False for the
+            micro-batches of gradient accumulation that must not trigger a step.
+
+    Raises:
+        TypeError: an entry of ``params`` is not a tensor.
+        ValueError: a param that requires grad is not a leaf (hooks can only fire on leaves).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        on_ready: Callable[[int], None],
+        on_backward_end: Callable[[], None] | None = None,
+    ) -> None:
+        self.enabled = True
+        self._on_ready = on_ready
+        self._on_backward_end = on_backward_end
+        self._lock = threading.Lock()
+        self._queued_task: int | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        seen: set[int] = set()
+        checked: list[tuple[int, torch.Tensor]] = []
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param {i} is a {type(p).__name__}, expected a torch.Tensor")
+            if id(p) in seen or not p.requires_grad:
+                continue
+            if not p.is_leaf:
+                raise ValueError(
+                    f"param {i} (shape {tuple(p.shape)}) is not a leaf tensor; grad-ready hooks need leaf params"
+                )
+            seen.add(id(p))
+            checked.append((i, p))
+        # Register only after validating everything, so a bad param leaves no hooks behind.
+        for i, p in checked:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            if self._on_backward_end is not None:
+                self._maybe_queue_end()
+            self._on_ready(i)
+
+        return hook
+
+    def _maybe_queue_end(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return  # not inside a backward (a hook invoked by hand): nothing to queue on
+        with self._lock:
+            if self._queued_task == task:
+                return
+            self._queued_task = task
+        Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    @property
+    def num_hooks(self) -> int:
+        """Number of registered hooks (distinct params that require grad)."""
+        return len(self._handles)
+
+    def remove(self) -> None:
+        """Remove every hook. Idempotent."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+@dataclass
+class _DDPReadinessState:
+    on_ready: Callable[[list[int]], None]
+    param_index: dict[int, int]
+    process_group: dist.ProcessGroup | None
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _ddp_readiness_comm_hook(
+    state: _DDPReadinessState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    buf = bucket.buffer()
+    params = bucket.parameters()
+    watched: list[tuple[torch.Tensor, int]] = []
+    for p in params:
+        if p.grad is not None and not _shares_storage(p.grad, buf):
+            # Raised on every rank alike (same DDP config), before the all-reduce.
+            raise ValueError(
+                f"ddp_readiness_hook: a param of shape {tuple(p.shape)} has a .grad that is not a view of its DDP "
+                f"bucket; construct DistributedDataParallel with gradient_as_bucket_view=True "
+                f"(see [Note: DDP readiness])"
+            )
+        idx = state.param_index.get(id(p))
+        if idx is not None:
+            watched.append((p, idx))
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    # Average as DDP's default allreduce_hook does: divide first (no overflow in low precision), then sum.
+    buf.div_(dist.get_world_size(group))
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+    def _done(f: torch.futures.Future) -> torch.Tensor:
+        out = f.value()[0]
+        ready = [idx for p, idx in watched if p.grad is not None]
+        if ready:
+            state.on_ready(ready)
+        return out
+
+    return fut.then(_done)
+
+
+def ddp_readiness_hook(
+    on_ready: Callable[[list[int]], None],
+    param_index: dict[int, int],
+    process_group: dist.ProcessGroup | None = None,
+) -> tuple[object, Callable[..., torch.futures.Future[torch.Tensor]]]:
+    """A DDP comm hook that averages each bucket and then reports its params as ready.
+
+    Use: ``ddp.register_comm_hook(*ddp_readiness_hook(on_ready, {id(p): i for i, p in enumerate(muon_params)}))``
+    on a model built with ``DistributedDataParallel(..., gradient_as_bucket_view=True)``.
+
+    [Note: DDP readiness] When is the averaged gradient in ``param.grad``? Torch 2.13's reducer
+    (``torch/csrc/distributed/c10d/reducer.cpp``), checked on CPU/gloo:
+
+    * ``gradient_as_bucket_view=False``: autograd's grad is *copied into* the bucket, the comm hook reduces the
+      bucket, and the result is copied back into ``param.grad`` only in ``finalize_backward``, an engine
+      callback queued when the last bucket is marked ready, i.e. at the end of backward. A signal from the
+      hook's future would expose the *local, un-averaged* gradient in ``.grad``.
+    * ``gradient_as_bucket_view=True``: when a param is marked ready the reducer makes ``param.grad`` a view
+      of the bucket buffer (it copies the first time, or after ``zero_grad(set_to_none=True)``), before the
+      bucket's comm hook is called. The hook all-reduces ``bucket.buffer()`` in place and returns that same
+      tensor, so the reducer's later ``bucket_view_in.copy_(bucket_view_out)`` is skipped (they alias) and
+      ``.grad`` already holds the average when the all-reduce future completes.
+
+    So this hook requires ``gradient_as_bucket_view=True``: at each call it checks that every bucket param's
+    ``.grad`` lives in the bucket's storage and raises ``ValueError`` otherwise (on every rank, before the
+    all-reduce). The guarantee: ``on_ready(indices)`` runs after the bucket's all-reduce completed, and for
+    each reported index ``param.grad`` is a view of the averaged buffer, so it holds the averaged gradient
+    and DDP will not write it again this step.
+
+    Only params with a ``.grad`` at that moment are reported. A param unused on this rank
+    (``find_unused_parameters=True``) has ``.grad is None`` until DDP's ``finalize_backward`` sets it (or
+    leaves it None if unused on every rank); it is not reported, and the caller launches its wave after
+    backward has returned (``WaveDispatcher.flush`` from ``step()``), not from an end-of-backward callback
+    queued earlier than DDP's.
+
+    Args:
+        on_ready: called once per bucket with the indices of its watched params (bucket order), on the thread
+            that completes the all-reduce future (a communication thread, not the autograd thread).
+        param_index: ``id(param) -> index``; bucket params not in it (e.g. AdamW params) are averaged but not
+            reported.
+        process_group: DDP's process group (``None``: the default group), used for the all-reduce.
+
+    Returns:
+        ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``.
+    """
+    state = _DDPReadinessState(on_ready=on_ready, param_index=dict(param_index), process_group=process_group)
+    return state, _ddp_readiness_comm_hook

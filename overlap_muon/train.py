@@ -1,0 +1,600 @@
+"""Train a small tensor-parallel byte-level GPT on real text: ``python -m overlap_muon.train`` / ``overlap-muon-train``.
+
+Launch with ``torchrun --standalone --nproc-per-node N -m overlap_muon.train [flags]`` or as one plain process.
+The world is a ``("remat", "tp")`` DeviceMesh of ``--remat x --tp`` ranks (gloo on CPU, NCCL on CUDA): the linears
+are tensor-parallel over ``tp`` and FSDP2-sharded over ``remat``, which is also the data-parallel dim (see
+:mod:`overlap_muon.model`). Data is byte-level text (:mod:`overlap_muon.data`): the Python standard library's
+sources by default, or ``--data FILE``.
+
+Optimizers (``--optimizer``):
+
+- ``overlap_muon`` (default): :class:`overlap_muon.OverlapMuon` (Muon on the ``nn.Linear`` weights, AdamW on
+  the rest), toggled through its ``OVERLAP_MUON_*`` environment variables;
+- ``adamw``: ``torch.optim.AdamW`` on every parameter, lr ``--adamw-lr``;
+- ``torch_muon``: the single-process reference, ``torch.optim.Muon`` on the same matrices and
+  ``torch.optim.AdamW`` on the rest with exactly the hyper-parameters ``overlap_muon`` gets.
+
+Every step ``s`` uses the global batch of :meth:`ByteData.train_batch` (``--batch`` rows of ``--seq-len``
+bytes); remat rank ``g`` takes rows ``[g*B/R, (g+1)*B/R)`` and splits them into ``--grad-accum`` micro-batches,
+each of whose mean losses is scaled by ``1/grad_accum`` before backward; FSDP averages over the ``R`` ranks.
+A single process with ``--grad-accum K`` therefore computes the same gradient as ``K`` FSDP ranks, bit for bit
+(scaling by a power of two is exact; see tests/test_train.py).
+
+The learning rate of every parameter group is ``base * warmup(s) * cooldown(s)``: linear warmup over
+``--warmup`` steps, flat, then linear decay to zero over the last ``--cooldown`` fraction of ``--steps``.
+
+Prints a tqdm bar on rank 0 (loss, tokens/s), validation loss every ``--eval-every`` steps, and a final
+``summary:`` line; :func:`main` returns the same figures as a dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import math
+import os
+import struct
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from overlap_muon.data import ByteData, DataError, load_file, load_stdlib
+from overlap_muon.model import GPT, ModelConfig, muon_params, parallelize
+
+__all__ = ["main", "cli", "build_parser"]
+
+_PROG = "overlap-muon-train"
+_OPTIMIZERS = ("overlap_muon", "adamw", "torch_muon")
+_CKPT_DONE = "COMPLETE"
+
+
+class _ConfigError(ValueError):
+    """A flag or input the run cannot use; the message says what to change."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line flags (defaults tuned so a 2-rank CPU run ends in about 2-3 minutes)."""
+    p = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--optimizer", choices=_OPTIMIZERS, default="overlap_muon", help="default: %(default)s")
+    a("--data", default=None, help="UTF-8 text file (default: the Python standard library's sources)")
+    a("--tp", type=int, default=None, help="tensor-parallel size (default: 2 on an even world, else 1)")
+    a("--remat", type=int, default=None, help="FSDP / data-parallel size (default: world size / tp)")
+    a("--steps", type=int, default=300, help="optimizer steps of the schedule (default: %(default)s)")
+    a("--stop-at", type=int, default=None, help="end this run after this step, as if interrupted")
+    a("--batch", type=int, default=16, help="global batch, sequences per step (default: %(default)s)")
+    a("--grad-accum", type=int, default=1, help="micro-batches per rank and step (default: %(default)s)")
+    a("--seq-len", type=int, default=128, help="bytes per sequence (default: %(default)s)")
+    a("--d-model", type=int, default=128, help="width (default: %(default)s)")
+    a("--n-layers", type=int, default=4, help="blocks (default: %(default)s)")
+    a("--n-heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    a("--mlp-ratio", type=int, default=4, help="MLP width / d_model (default: %(default)s)")
+    a("--qkv", choices=("fused", "separate"), default="fused", help="attention input projections")
+    a("--lr", type=float, default=0.02, help="Muon learning rate (default: %(default)s)")
+    a("--adamw-lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)")
+    a("--weight-decay", type=float, default=0.0, help="decoupled weight decay, both (default: %(default)s)")
+    a("--momentum", type=float, default=0.95, help="Muon momentum (default: %(default)s)")
+    a("--adjust-lr-fn", choices=("original", "match_rms_adamw"), default=None, help="Muon lr scaling by shape")
+    a("--warmup", type=int, default=10, help="linear warmup steps (default: %(default)s)")
+    a("--cooldown", type=float, default=0.3, help="fraction of steps of linear decay to 0 (default: %(default)s)")
+    a("--seed", type=int, default=0, help="init and data seed (default: %(default)s)")
+    a("--eval-every", type=int, default=100, help="validation every N steps, 0: only at the end")
+    a("--val-windows", type=int, default=64, help="validation windows of --seq-len bytes (default: %(default)s)")
+    a("--checkpoint-dir", default=None, help="save model + optimizer + position here (torch.distributed.checkpoint)")
+    a("--checkpoint-every", type=int, default=0, help="save every N steps (0: only at the end / --stop-at)")
+    a("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir")
+    a("--profile", action="store_true", help="torch.profiler trace per rank into --profile-dir")
+    a("--profile-dir", default="traces", help="default: %(default)s")
+    a("--profile-steps", type=int, nargs=2, default=(3, 3), metavar=("SKIP", "ACTIVE"), help="default: 3 3")
+    a("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda when available")
+    a("--quiet", action="store_true", help="no progress bar or periodic logs (the summary line still prints)")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------
+# set-up
+
+
+def _world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from an initialised default group, else from torchrun's environment."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def _check_args(args: argparse.Namespace, world: int) -> ModelConfig:
+    """Validate every flag against the world size before any collective; fill ``args.tp`` / ``args.remat``.
+
+    Raises:
+        _ConfigError: with a message naming the flag and what to change.
+    """
+    for name in ("steps", "batch", "grad_accum", "seq_len", "val_windows"):
+        if getattr(args, name) <= 0:
+            raise _ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("eval_every", "checkpoint_every", "warmup"):
+        if getattr(args, name) < 0:
+            raise _ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not 0.0 <= args.cooldown <= 1.0:
+        raise _ConfigError(f"--cooldown is a fraction of --steps in [0, 1], got {args.cooldown}")
+    if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
+        raise _ConfigError(f"--stop-at must be in [1, --steps={args.steps}], got {args.stop_at}")
+    if args.resume and not args.checkpoint_dir:
+        raise _ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoint is)")
+    if args.tp is None:
+        args.tp = world // args.remat if args.remat and world % args.remat == 0 else (2 if world % 2 == 0 else 1)
+    if args.tp <= 0 or world % args.tp:
+        raise _ConfigError(
+            f"--tp {args.tp} does not divide the world size {world}; pass a --tp that divides the number of "
+            f"processes (one of {[d for d in range(1, world + 1) if world % d == 0]})"
+        )
+    if args.remat is None:
+        args.remat = world // args.tp
+    if args.remat * args.tp != world:
+        raise _ConfigError(
+            f"--remat {args.remat} x --tp {args.tp} = {args.remat * args.tp} != world size {world}; "
+            f"pass --remat {world // args.tp} (or omit it)"
+        )
+    micro = args.remat * args.grad_accum
+    if args.batch % micro:
+        raise _ConfigError(
+            f"--batch {args.batch} is not divisible by --remat x --grad-accum = {micro}; "
+            f"pass a --batch that is a multiple of {micro}"
+        )
+    if args.optimizer == "torch_muon" and world != 1:
+        raise _ConfigError(
+            f"--optimizer torch_muon is the single-process reference but the world size is {world}; run it "
+            "without torchrun (use --grad-accum to match a data-parallel run) or pick --optimizer overlap_muon"
+        )
+    try:
+        cfg = ModelConfig(
+            d_model=args.d_model,
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            mlp_ratio=args.mlp_ratio,
+            seq_len=args.seq_len,
+            fused_qkv=args.qkv == "fused",
+        )
+        cfg.check_tp(args.tp)
+    except ValueError as e:
+        raise _ConfigError(str(e)) from e
+    return cfg
+
+
+def _load_data(args: argparse.Namespace) -> ByteData:
+    try:
+        data = load_file(args.data) if args.data is not None else load_stdlib()
+        data.check_window(args.seq_len)
+    except DataError as e:
+        raise _ConfigError(str(e)) from e
+    return data
+
+
+def _device(args: argparse.Namespace, local_rank: int) -> torch.device:
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise _ConfigError("--device cuda but no CUDA device is visible; pass --device cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _adamw_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The AdamW hyper-parameters, identical for every optimizer choice (so the reference matches)."""
+    return {"lr": args.adamw_lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": args.weight_decay}
+
+
+def _muon_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "momentum": args.momentum,
+        "nesterov": True,
+        "adjust_lr_fn": args.adjust_lr_fn,
+    }
+
+
+class _TorchMuonPair:
+    """``torch.optim.Muon`` on the Muon matrices + ``torch.optim.AdamW`` on the rest, behind one optimizer-like
+    face (``step``, ``zero_grad``, ``param_groups`` tagged with ``"algorithm"``, state dicts)."""
+
+    def __init__(self, model: GPT, args: argparse.Namespace) -> None:
+        mats = muon_params(model)
+        ids = {id(p) for p in mats}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        self.muon = torch.optim.Muon(mats, **_muon_kwargs(args))
+        self.adamw = torch.optim.AdamW(rest, **_adamw_kwargs(args))
+        for g in self.muon.param_groups:
+            g["algorithm"] = "muon"
+        for g in self.adamw.param_groups:
+            g["algorithm"] = "adamw"
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.muon.param_groups + self.adamw.param_groups
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.muon.load_state_dict(sd["muon"])
+        self.adamw.load_state_dict(sd["adamw"])
+
+
+def _build_optimizer(args: argparse.Namespace, model: GPT, mesh):
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(args))
+        for g in opt.param_groups:
+            g["algorithm"] = "adamw"
+        return opt
+    if args.optimizer == "torch_muon":
+        return _TorchMuonPair(model, args)
+    from overlap_muon import OverlapMuon
+
+    return OverlapMuon(model, **_muon_kwargs(args), adamw_kwargs=_adamw_kwargs(args), device_mesh=mesh)
+
+
+def _sync(opt) -> None:
+    """Wait for every pending optimizer update (``OverlapMuon`` applies Muon updates asynchronously)."""
+    fn = getattr(opt, "synchronize", None)
+    if fn is not None:
+        fn()
+
+
+def _lr_factor(step: int, args: argparse.Namespace) -> float:
+    """``warmup(step) * cooldown(step)`` for the 0-based ``step`` (see the module docstring)."""
+    f = 1.0
+    if args.warmup:
+        f *= min(1.0, (step + 1) / args.warmup)
+    n_cool = args.cooldown * args.steps
+    if n_cool > 0:
+        f *= min(1.0, (args.steps - step) / n_cool)
+    return f
+
+
+def _set_lr(opt, step: int, args: argparse.Namespace) -> float:
+    f = _lr_factor(step, args)
+    for g in opt.param_groups:
+        g["lr"] = (args.lr if g.get("algorithm") == "muon" else args.adamw_lr) * f
+    return f
+
+
+# ----------------------------------------------------------------------------------------------------------
+# figures
+
+
+def _checksum(model: GPT) -> tuple[float, str]:
+    """(sum of every parameter's full tensor in float64, sha256 of the names and full float32 bytes, 16 hex).
+
+    Collective when parameters are DTensors (``full_tensor``): every rank must call it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    total = 0.0
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            full = full.detach().cpu().contiguous()
+            total += float(full.double().sum())
+            h.update(name.encode())
+            h.update(struct.pack("<q", full.numel()))
+            h.update(full.view(torch.uint8).numpy().tobytes() if full.numel() else b"")
+    return total, h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def _evaluate(model: GPT, data: ByteData, args: argparse.Namespace, g: int, remat_group, device) -> float:
+    """Mean validation loss over the fixed windows, nats per byte.
+
+    The window count is rounded up to a multiple of ``remat * micro_batch`` so every remat rank runs the same
+    number of forwards (FSDP's all-gathers are collective); rank ``g`` takes the ``g``-th contiguous share, in
+    batches of the training micro-batch size (so equivalent layouts run the very same forward shapes).
+    """
+    mb = args.batch // (args.remat * args.grad_accum)
+    per = args.remat * mb
+    n = -(-args.val_windows // per) * per
+    share = n // args.remat
+    batches = data.val_batches(n, mb, args.seq_len)[g * share // mb : (g + 1) * share // mb]
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for x, y in batches:
+        logits = model(x.to(device))
+        total[0] += float(F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum"))
+        total[1] += y.numel()
+    if remat_group is not None:
+        dist.all_reduce(total, group=remat_group)
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _latest_checkpoint(root: str) -> tuple[int, str] | None:
+    best = None
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if name.startswith("step_") and os.path.isfile(os.path.join(path, _CKPT_DONE)):
+                step = int(name[5:])
+                if best is None or step > best[0]:
+                    best = (step, path)
+    return best
+
+
+def _fingerprint(args: argparse.Namespace, cfg: ModelConfig) -> dict:
+    """What must match between a checkpoint and the run resuming it for the resume to be exact."""
+    keys = ("optimizer", "tp", "remat", "batch", "grad_accum", "seq_len", "seed", "steps", "data")
+    return {"model": asdict(cfg), **{k: getattr(args, k) for k in keys}}
+
+
+def _save_checkpoint(root, step, model, opt, extra, rank, world, fingerprint) -> None:
+    """Model via DCP (``get_model_state_dict``), optimizer state and position via per-rank ``torch.save``.
+
+    The optimizer's own ``state_dict()`` is saved per rank rather than resharded through DCP: a resume into the
+    same layout is then bit-identical by construction, whatever the optimizer keeps (the fingerprint refuses
+    any other layout). A ``COMPLETE`` marker, written last by rank 0 after a barrier, makes a half-written
+    checkpoint invisible to ``--resume``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    path = os.path.join(root, f"step_{step:07d}")
+    os.makedirs(path, exist_ok=True)
+    _sync(opt)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(path, "model"))
+    state = {"step": step, "fingerprint": fingerprint, "rng_cpu": torch.get_rng_state(), **extra}
+    if torch.cuda.is_available():
+        state["rng_cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(opt.state_dict(), os.path.join(path, f"optim.rank{rank}.pt"))
+    torch.save(state, os.path.join(path, f"state.rank{rank}.pt"))
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        with open(os.path.join(path, _CKPT_DONE), "w") as f:
+            f.write(f"{step}\n")
+    if world > 1:
+        dist.barrier()
+
+
+def _load_checkpoint(root, model, opt, rank, fingerprint) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    found = _latest_checkpoint(root)
+    if found is None:
+        raise _ConfigError(f"--resume: no complete checkpoint under {root!r}; run without --resume first")
+    step, path = found
+    state = torch.load(os.path.join(path, f"state.rank{rank}.pt"), weights_only=False)
+    if state["fingerprint"] != fingerprint:
+        diff = {k: (v, fingerprint.get(k)) for k, v in state["fingerprint"].items() if fingerprint.get(k) != v}
+        raise _ConfigError(f"--resume: checkpoint {path} was written by a different run (saved, now): {diff}")
+    msd = {"model": get_model_state_dict(model)}
+    dcp.load(msd, checkpoint_id=os.path.join(path, "model"))
+    set_model_state_dict(model, msd["model"])
+    opt.load_state_dict(torch.load(os.path.join(path, f"optim.rank{rank}.pt"), weights_only=False))
+    torch.set_rng_state(state["rng_cpu"])
+    if "rng_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the run
+
+
+def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> dict:
+    cfg = _check_args(args, world)
+    data = _load_data(args)
+    device = _device(args, local_rank)
+    fingerprint = _fingerprint(args, cfg)
+    if args.resume and _latest_checkpoint(args.checkpoint_dir) is None:
+        raise _ConfigError(f"--resume: no complete checkpoint under {args.checkpoint_dir!r}; run without --resume first")
+
+    own_group = False
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        own_group = True
+    try:
+        return _train(args, cfg, data, device, rank, world, fingerprint)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _train(args, cfg, data, device, rank, world, fingerprint) -> dict:
+    from tqdm import tqdm
+
+    mesh = None
+    g = 0
+    remat_group = None
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(device)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (args.remat, args.tp), mesh_dim_names=("remat", "tp"))
+        g = mesh.get_coordinate()[0]
+        remat_group = mesh["remat"].get_group() if args.remat > 1 else None
+        parallelize(model, mesh)
+    opt = _build_optimizer(args, model, mesh)
+
+    log = rank == 0 and not args.quiet
+    start, losses, val_hist = 0, [], []
+    if args.resume:
+        state = _load_checkpoint(args.checkpoint_dir, model, opt, rank, fingerprint)
+        start, losses, val_hist = state["step"], list(state["losses"]), list(state["val_history"])
+    stop = args.stop_at if args.stop_at is not None else args.steps
+    if start >= stop:
+        raise _ConfigError(f"--resume: the checkpoint is at step {start}, nothing left before step {stop}")
+
+    unigram = data.unigram_entropy_bits()
+    n_params = sum(p.numel() for p in model.parameters())
+    if log:
+        print(
+            f"{_PROG}: {data.source}: {data.train.numel()} train / {data.val.numel()} val bytes, unigram entropy "
+            f"{unigram:.3f} bits/byte | model {n_params / 1e6:.2f} M params {asdict(cfg)} | world {world} = remat "
+            f"{args.remat} x tp {args.tp} on {device.type} | {args.optimizer} lr {args.lr} adamw-lr {args.adamw_lr}",
+            flush=True,
+        )
+
+    mb = args.batch // (args.remat * args.grad_accum)
+    tokens_per_step = args.batch * args.seq_len
+    prof = _profiler(args, rank, device) if args.profile else None
+    bar = tqdm(total=stop, initial=start, disable=not log, dynamic_ncols=True, desc="train", file=sys.stderr)
+    train_time, eval_time = 0.0, 0.0
+    model.train()
+    t_step = time.perf_counter()
+    for step in range(start, stop):
+        _set_lr(opt, step, args)
+        x_all, y_all = data.train_batch(step, args.seed, args.batch, args.seq_len)
+        loss_sum = torch.zeros(1, dtype=torch.float64)
+        for k in range(args.grad_accum):
+            rows = slice((g * args.grad_accum + k) * mb, (g * args.grad_accum + k + 1) * mb)
+            x, y = x_all[rows].to(device), y_all[rows].to(device)
+            if args.remat > 1 and args.grad_accum > 1:
+                model.set_requires_gradient_sync(k == args.grad_accum - 1)
+            with torch.profiler.record_function("train::forward"):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            with torch.profiler.record_function("train::backward"):
+                (loss / args.grad_accum if args.grad_accum > 1 else loss).backward()
+            loss_sum += loss.detach().double().cpu()
+        with torch.profiler.record_function("train::optimizer_step"):
+            opt.step()
+            opt.zero_grad()
+        if remat_group is not None:
+            dist.all_reduce(loss_sum, group=remat_group)
+        loss_val = float(loss_sum) / (args.remat * args.grad_accum)
+        losses.append(loss_val)
+        if prof is not None:
+            prof.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        train_time += now - t_step
+        done = step + 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_per_step * (done - start) / train_time:.0f}")
+        if not math.isfinite(loss_val):
+            raise FloatingPointError(f"training loss became {loss_val} at step {step}; lower --lr / --adamw-lr")
+        if args.eval_every and done % args.eval_every == 0 and done != stop:
+            t0 = time.perf_counter()
+            v = _evaluate(model, data, args, g, remat_group, device)
+            val_hist.append((done, v))
+            if log:
+                bar.write(f"step {done}: val loss {v:.4f} nats, {v / math.log(2):.4f} bits/byte")
+            eval_time += time.perf_counter() - t0
+        if args.checkpoint_dir and (
+            done == stop or (args.checkpoint_every and done % args.checkpoint_every == 0)
+        ):
+            extra = {"losses": losses, "val_history": val_hist}
+            _save_checkpoint(args.checkpoint_dir, done, model, opt, extra, rank, world, fingerprint)
+        t_step = time.perf_counter()
+    bar.close()
+    if prof is not None:
+        prof.stop()
+
+    _sync(opt)
+    val = _evaluate(model, data, args, g, remat_group, device)
+    val_hist.append((stop, val))
+    csum, chash = _checksum(model)
+    steps_done = stop - start
+    summary = {
+        "step": stop,
+        "val_loss": val,
+        "val_bpb": val / math.log(2),
+        "unigram_bpb": unigram,
+        "below_unigram": 1.0 - (val / math.log(2)) / unigram,
+        "steps_per_s": steps_done / train_time,
+        "tokens_per_s": tokens_per_step * steps_done / train_time,
+        "train_s": train_time,
+        "eval_s": eval_time,
+        "checksum_sum": csum,
+        "checksum_hash": chash,
+        "losses": losses,
+        "val_history": val_hist,
+        "optimizer": args.optimizer,
+        "tp": args.tp,
+        "remat": args.remat,
+    }
+    if rank == 0:
+        print(
+            f"summary: step {stop} | val loss {val:.4f} nats = {summary['val_bpb']:.4f} bits/byte | unigram entropy "
+            f"{unigram:.4f} bits/byte ({100 * summary['below_unigram']:.1f}% below) | {summary['steps_per_s']:.2f} "
+            f"steps/s, {summary['tokens_per_s']:.0f} tokens/s | checksum sum={csum:.10e} sha256={chash}",
+            flush=True,
+        )
+    return summary
+
+
+def _profiler(args, rank, device):
+    """A ``torch.profiler.profile`` over steps ``[skip, skip + active)`` that writes ``<dir>/rank<r>.json``."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    skip, active = args.profile_steps
+    os.makedirs(args.profile_dir, exist_ok=True)
+    out = os.path.join(args.profile_dir, f"rank{rank}.json")
+
+    def on_ready(p) -> None:
+        p.export_chrome_trace(out)
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(
+        activities=acts,
+        schedule=schedule(wait=max(0, skip - 1), warmup=min(1, skip), active=max(1, active), repeat=1),
+        on_trace_ready=on_ready,
+        record_shapes=False,
+    )
+    prof.start()
+    return prof
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run training with command-line ``argv`` (default ``sys.argv[1:]``); return the summary figures.
+
+    Returns:
+        ``{"val_loss" (nats/byte), "val_bpb", "unigram_bpb", "below_unigram" (fraction), "steps_per_s",
+        "tokens_per_s", "train_s", "eval_s" (seconds), "checksum_sum", "checksum_hash", "losses" (per step,
+        global batch mean, nats), "val_history" ([(step, nats)]), "step", "optimizer", "tp", "remat"}`` on
+        every rank.
+
+    Raises:
+        SystemExit(2): a flag or input is unusable; a one-line ``error:`` saying what to change was printed
+            on every rank (before any collective).
+    """
+    args = build_parser().parse_args(argv)
+    rank, world, local_rank = _world()
+    try:
+        return _run(args, rank, world, local_rank)
+    except _ConfigError as e:
+        prefix = f"[rank {rank}] " if world > 1 else ""
+        print(f"{prefix}{_PROG}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def cli() -> int:
+    """Console-script entry: :func:`main` with ``sys.argv``, exit status 0 (the figures are printed)."""
+    main()
+    return 0
+
+
+if __name__ == "__main__":
+    cli()

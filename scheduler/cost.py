@@ -1,0 +1,73 @@
+"""Cost model of one Newton-Schulz orthogonalization (the only work that needs a whole Muon matrix).
+
+[Note: what the NS cost counts] ``torch.optim.Muon`` (``torch/optim/_muon.py``,
+``_zeropower_via_newtonschulz``) casts the ``(P, Q)`` update to bf16, transposes it when ``P > Q`` so that
+``X`` is ``(m, n)`` with ``m = min(P, Q)``, ``n = max(P, Q)``, then runs ``ns_steps`` iterations of::
+
+    A = X @ X.T                          # (m, n) @ (n, m): 2*m*m*n FLOPs
+    B = addmm(A, A, A, beta=b, alpha=c)  # (m, m) @ (m, m): 2*m*m*m FLOPs
+    X = addmm(X, B, X, beta=a)           # (m, m) @ (m, n): 2*m*m*n FLOPs
+
+A matmul of ``(M, K) @ (K, N)`` is counted as ``2*M*N*K`` FLOPs (one multiply and one add per term). The
+Frobenius norm, the division by it, the ``beta``/``alpha`` scaling inside ``addmm`` and the casts are
+elementwise, ``O(m*n)`` per step against ``O(m*m*n)`` for the matmuls, and are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["ns_flops", "ns_bytes"]
+
+
+def _check_shape(shape: Sequence[int]) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"NS cost needs a 2-D (P, Q) shape, got {tuple(shape)!r}")
+    p, q = shape
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in (p, q)):
+        raise ValueError(f"NS cost needs non-negative integer dims, got shape {tuple(shape)!r}")
+    return p, q
+
+
+def ns_flops(shape: tuple[int, int], ns_steps: int = 5) -> int:
+    """FLOPs of Newton-Schulz on a full ``(P, Q)`` matrix, as ``torch.optim.Muon`` computes it.
+
+    With ``m = min(P, Q)`` and ``n = max(P, Q)``, each step costs ``4*m*m*n + 2*m**3`` FLOPs (three matmuls,
+    ``2*M*N*K`` each); see [Note: what the NS cost counts] for the derivation and what is left out (the norm,
+    scaling and casts, all elementwise).
+
+    Args:
+        shape: the full logical ``(P, Q)`` shape of the Muon matrix (never a shard's).
+        ns_steps: number of Newton-Schulz iterations (``torch.optim.Muon`` default 5).
+
+    Returns:
+        FLOPs, an exact integer. A matrix with a zero dim costs 0.
+
+    Raises:
+        ValueError: ``shape`` is not two non-negative ints, or ``ns_steps`` is negative.
+    """
+    p, q = _check_shape(shape)
+    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or ns_steps < 0:
+        raise ValueError(f"ns_steps must be a non-negative int, got {ns_steps!r} (shape {(p, q)})")
+    m, n = min(p, q), max(p, q)
+    per_step = 2 * m * m * n + 2 * m * m * m + 2 * m * m * n
+    return ns_steps * per_step
+
+
+def ns_bytes(shape: tuple[int, int], dtype_bytes: int = 2) -> int:
+    """Bytes of one full ``(P, Q)`` matrix as it travels to and from its NS home.
+
+    Args:
+        shape: the full logical ``(P, Q)`` shape.
+        dtype_bytes: bytes per element; 2 for the bf16 the update is cast to before routing (DESIGN.md §1).
+
+    Returns:
+        ``P * Q * dtype_bytes`` bytes (one direction; the exchange back moves as many again).
+
+    Raises:
+        ValueError: ``shape`` is not two non-negative ints, or ``dtype_bytes`` is not a positive int.
+    """
+    p, q = _check_shape(shape)
+    if not isinstance(dtype_bytes, int) or isinstance(dtype_bytes, bool) or dtype_bytes < 1:
+        raise ValueError(f"dtype_bytes must be a positive int, got {dtype_bytes!r} (shape {(p, q)})")
+    return p * q * dtype_bytes

@@ -1,0 +1,118 @@
+"""Test models and the sharding helpers the parity tests share.
+
+``TinyNet`` has several distinct Muon shapes (non-square, odd, one tall), a ``partition_dim=None`` matrix, and
+1-D params (norm, biases) for AdamW. It is built three ways: unsharded (the reference), as DTensors on a
+``("remat", "tp")`` DeviceMesh (ColwiseParallel / RowwiseParallel + FSDP2 ``fully_shard``), and as plain local
+shards carrying ``partition_dim`` / ``full_shape`` attributes (the Megatron convention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# name -> partition_dim (TP split of the full matrix), for the Muon matrices of TinyNet
+PARTITION = {"up.weight": 0, "down.weight": 1, "proj.weight": None, "out.weight": 0, "gate.weight": 0}
+ADAMW_KW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+class TinyNet(nn.Module):
+    def __init__(self, d: int = 12, h: int = 20, r: int = 7, o: int = 13) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, h)  # (20, 12), colwise
+        self.gate = nn.Linear(d, h, bias=False)  # (20, 12), colwise: a second matrix of the same shape
+        self.down = nn.Linear(h, d, bias=False)  # (12, 20), rowwise
+        self.proj = nn.Linear(d, r, bias=False)  # (7, 12), replicated over TP
+        self.out = nn.Linear(r, o, bias=False)  # (13, 7): tall, colwise with replicated output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        y = self.down(torch.nn.functional.gelu(self.up(y)) * self.gate(y)) + x
+        return self.out(self.proj(y))
+
+
+def block(full: torch.Tensor, pd: int | None, R: int, T: int, g: int, t: int) -> torch.Tensor:
+    """Rank (g, t)'s block of a full (P, Q) tensor (DESIGN.md section 2), written with torch.chunk directly."""
+
+    def pick(x: torch.Tensor, parts: int, i: int, dim: int) -> torch.Tensor:
+        chunks = torch.chunk(x, parts, dim=dim)
+        if i < len(chunks):
+            return chunks[i]
+        shape = list(x.shape)
+        shape[dim] = 0
+        return x.new_empty(shape)
+
+    if pd == 0:
+        return pick(pick(full, T, t, 0), R, g, 0)
+    if pd == 1:
+        return pick(pick(full, R, g, 0), T, t, 1)
+    return pick(full, R, g, 0)
+
+
+def build_dtensor_model(full: TinyNet, R: int, T: int):
+    """TinyNet on a (R, T) ("remat", "tp") CPU mesh: TP plan + FSDP2, params copied from ``full``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (R, T), mesh_dim_names=("remat", "tp"))
+    model = TinyNet()
+    model.load_state_dict(full.state_dict())
+    parallelize_module(
+        model,
+        mesh["tp"],
+        {
+            "up": ColwiseParallel(),
+            "gate": ColwiseParallel(),
+            "down": RowwiseParallel(),
+            "out": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    fully_shard(model, mesh=mesh["remat"])
+    return model, mesh
+
+
+def build_plain_model(full: TinyNet, R: int, T: int, g: int, t: int) -> TinyNet:
+    """TinyNet whose Muon weights are plain local blocks with ``partition_dim`` and ``full_shape`` attributes;
+    the other params are full copies (they are updated by AdamW elementwise on every rank)."""
+    model = TinyNet()
+    model.load_state_dict(full.state_dict())
+    for name, pd in PARTITION.items():
+        mod = model.get_submodule(name.rsplit(".", 1)[0])
+        w = mod.weight
+        loc = nn.Parameter(block(w.detach(), pd, R, T, g, t).clone())
+        loc.partition_dim = pd
+        loc.full_shape = tuple(w.shape)
+        mod.weight = loc
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def set_grad(p: torch.Tensor, full_grad: torch.Tensor, pd, R, T, g, t) -> None:
+    """Give ``p`` (DTensor or plain block) the gradient whose full value is ``full_grad``."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        # Replicate -> p's placements is a local chunking (no communication), _StridedShard included.
+        from torch.distributed.tensor import Replicate
+
+        mesh = p.device_mesh
+        rep = DTensor.from_local(full_grad.clone(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        p.grad = rep.redistribute(mesh, p.placements)
+    elif p.dim() == 2 and hasattr(p, "partition_dim"):
+        p.grad = block(full_grad, p.partition_dim, R, T, g, t).contiguous()
+    else:
+        p.grad = full_grad.clone()
+
+
+def coords(R: int, T: int) -> tuple[int, int]:
+    r = dist.get_rank() if dist.is_initialized() else 0
+    return divmod(r, T)

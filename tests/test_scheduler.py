@@ -1,0 +1,417 @@
+"""Unit tests for scheduler/: NS cost, home assignment, wave planning and dispatch. No process group."""
+
+import random
+import threading
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from scheduler import (
+    LoadReport,
+    ReadinessRecorder,
+    Wave,
+    WaveDispatcher,
+    load_report,
+    lpt_homes,
+    ns_bytes,
+    ns_flops,
+    plan_waves,
+    round_robin_homes,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---------------------------------------------------------------------------------------------------- cost
+
+
+def test_ns_flops_hand_count():
+    # (4, 6): m=4, n=6. X@X.T 2*4*4*6=192, A@A 2*4*4*4=128, B@X 2*4*4*6=192 -> 512 per step.
+    assert ns_flops((4, 6), ns_steps=1) == 512
+    assert ns_flops((4, 6)) == 5 * 512
+    assert ns_flops((6, 4)) == 5 * 512  # transposed inside NS: same work
+    assert ns_flops((1, 1), ns_steps=2) == 2 * (2 + 2 + 2)
+    assert ns_flops((0, 7)) == 0
+    assert ns_flops((5, 5), ns_steps=0) == 0
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (12, 8), (16, 16), (3, 40)])
+def test_ns_flops_matches_torch_muon(shape):
+    """The count equals what torch's flop counter measures on torch.optim.Muon's own NS routine."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    g = torch.randn(shape)
+    with FlopCounterMode(display=False) as fc:
+        _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    assert fc.get_total_flops() == ns_flops(shape, ns_steps=5)
+
+
+def test_ns_bytes():
+    assert ns_bytes((4, 6)) == 48
+    assert ns_bytes((4, 6), dtype_bytes=4) == 96
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ns_flops((4,)),
+        lambda: ns_flops((4, -1)),
+        lambda: ns_flops((4.0, 2)),
+        lambda: ns_flops((4, 2), ns_steps=-1),
+        lambda: ns_bytes((4, 2), dtype_bytes=0),
+    ],
+)
+def test_cost_bad_input(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+# ---------------------------------------------------------------------------------------------------- homes
+
+
+def test_lpt_known_cases():
+    # Sorted (5,4,3,3,2,2,1) onto 3 ranks: 5->r0 4->r1 3->r2 3->r2(3) 2->r1(4) 2->r0(5) 1->r1(6,tie by rank).
+    assert lpt_homes([5, 4, 3, 3, 2, 2, 1], 3) == [0, 1, 2, 2, 1, 0, 1]
+    assert load_report([5, 4, 3, 3, 2, 2, 1], [0, 1, 2, 2, 1, 0, 1], 3).per_rank == (7.0, 7.0, 6.0)
+    # Equal costs: index order, least rank on ties.
+    assert lpt_homes([1, 1, 1, 1], 2) == [0, 1, 0, 1]
+    assert lpt_homes([], 4) == []
+    assert lpt_homes([2.0], 1) == [0]
+    # Initial loads carried in.
+    assert lpt_homes([3, 3], 2, initial_loads=[10, 0]) == [1, 1]
+    assert lpt_homes([3, 3], 2, initial_loads=[3, 0]) == [1, 0]
+
+
+def test_lpt_deterministic_and_bounded():
+    rng = random.Random(1)
+    for _ in range(50):
+        n, r = rng.randint(0, 40), rng.randint(1, 9)
+        costs = [rng.choice([1, 2, 3, 8, 8, 13]) * rng.randint(1, 4) for _ in range(n)]
+        homes = lpt_homes(costs, r)
+        assert homes == lpt_homes(list(costs), r)  # pure function of its input
+        assert all(0 <= h < r for h in homes)
+        if n:
+            rep = load_report(costs, homes, r)
+            # Any greedy list schedule is within mean + (1 - 1/r) * max cost.
+            assert rep.max <= rep.mean + (1 - 1 / r) * max(costs) + 1e-9
+
+
+def _transformer_shapes(n, d=1024):
+    mha = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
+    gqa = [(d + 512, d), (d, d), (2816, d), (d, 2816)]
+    out, layer = [], 0
+    while len(out) < n:
+        out += mha if layer % 2 == 0 else gqa
+        layer += 1
+    return out[:n]
+
+
+@pytest.mark.parametrize("n,r", [(19, 8), (72, 7), (3, 8)])
+def test_lpt_beats_round_robin_on_mixed_shapes(n, r):
+    costs = [ns_flops(s) for s in _transformer_shapes(n)]
+    lpt = load_report(costs, lpt_homes(costs, r), r)
+    rr = load_report(costs, round_robin_homes(n, r), r)
+    assert lpt.max <= rr.max
+    assert lpt.max_over_mean <= rr.max_over_mean
+    if n > r:
+        assert lpt.max < rr.max
+
+
+def test_round_robin_and_report():
+    assert round_robin_homes(5, 3) == [0, 1, 2, 0, 1]
+    assert round_robin_homes(3, 4, start=2) == [2, 3, 0]
+    rep = load_report([1, 2, 3], [0, 0, 1], 2)
+    assert rep == LoadReport(per_rank=(3.0, 3.0), max=3.0, mean=3.0, max_over_mean=1.0)
+    assert load_report([0, 0], [0, 1], 3).max_over_mean == 1.0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: lpt_homes([1, -1], 2),
+        lambda: lpt_homes([1, float("nan")], 2),
+        lambda: lpt_homes([1], 0),
+        lambda: lpt_homes([1], 2, initial_loads=[0]),
+        lambda: round_robin_homes(-1, 2),
+        lambda: load_report([1], [2], 2),
+        lambda: load_report([1, 1], [0], 2),
+    ],
+)
+def test_homes_bad_input(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+def test_homes_error_names_param():
+    with pytest.raises(ValueError, match="param 1"):
+        lpt_homes([1, -3], 2)
+
+
+# ---------------------------------------------------------------------------------------------------- plan_waves
+
+
+def _sizes(waves):
+    return [len(w.params) for w in waves]
+
+
+def test_plan_waves_sizes_and_taper():
+    order = list(range(18, -1, -1))
+    costs = [1.0] * 19
+    assert _sizes(plan_waves(order, costs, 8, taper=False)) == [8, 8, 3]
+    assert _sizes(plan_waves(order, costs, 8)) == [5, 8, 4, 2]
+    assert _sizes(plan_waves(order, costs, 8, wave_slots=4)) == [4, 4, 4, 4, 2, 1]
+    assert _sizes(plan_waves(order, costs, 8, wave_slots=1)) == [1] * 19
+    assert _sizes(plan_waves([4, 3, 2, 1, 0], [1.0] * 5, 2, wave_slots=2)) == [1, 2, 1, 1]
+    assert _sizes(plan_waves([0], [1.0], 8)) == [1]
+    assert _sizes(plan_waves([2, 1, 0], [1.0] * 3, 8)) == [1, 2]
+    assert plan_waves([], [], 4) == []
+
+
+@pytest.mark.parametrize("taper", [True, False])
+@pytest.mark.parametrize("balance", ["lpt", "round_robin"])
+@pytest.mark.parametrize("n,r,slots", [(19, 8, None), (72, 7, None), (3, 8, None), (30, 4, 6), (7, 3, 1)])
+def test_plan_waves_invariants(n, r, slots, balance, taper):
+    rng = random.Random(n * 100 + r)
+    order = list(range(n))
+    rng.shuffle(order)
+    costs = [float(ns_flops(s)) for s in _transformer_shapes(n)]
+    waves = plan_waves(order, costs, r, wave_slots=slots, balance=balance, taper=taper)
+    cap = r if slots is None else slots
+    assert [w.index for w in waves] == list(range(len(waves)))
+    assert [i for w in waves for i in w.params] == order  # consecutive cuts, readiness order kept
+    assert all(1 <= len(w.params) <= cap for w in waves)
+    if taper and len(waves) >= 2:
+        assert len(waves[-1].params) <= max(1, cap // 4)
+        assert len(waves[-2].params) <= max(1, cap // 2)
+    for w in waves:
+        assert set(w.homes) == set(w.params) and all(0 <= h < r for h in w.homes.values())
+    if balance == "round_robin":
+        assert [w.homes[i] for w in waves for i in w.params] == [k % r for k in range(n)]
+
+
+def test_plan_waves_lpt_loads_carried():
+    # Wave 0 = [0, 1] (costs 10, 1) -> homes r0, r1; wave 1 = [2] must avoid the loaded r0.
+    waves = plan_waves([0, 1, 2], [10.0, 1.0, 1.0], 2, wave_slots=2, taper=False)
+    assert [w.homes for w in waves] == [{0: 0, 1: 1}, {2: 1}]
+    # In general each wave is LPT from the loads of the waves before it.
+    costs = [float(ns_flops(s)) for s in _transformer_shapes(40)]
+    order = list(range(39, -1, -1))
+    loads = [0.0] * 6
+    for w in plan_waves(order, costs, 6):
+        wc = [costs[i] for i in w.params]
+        assert [w.homes[i] for i in w.params] == lpt_homes(wc, 6, initial_loads=loads)
+        for i in w.params:
+            loads[w.homes[i]] += costs[i]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(order=[0, 1], costs=[1, 1], num_ranks=2, wave_slots=0), "wave_slots"),
+        (dict(order=[0, 1], costs=[1, 1], num_ranks=2, balance="greedy"), "balance"),
+        (dict(order=[0, 0], costs=[1, 1], num_ranks=2), "permutation"),
+        (dict(order=[0], costs=[1, 1], num_ranks=2), "permutation"),
+        (dict(order=[0, 2], costs=[1, 1], num_ranks=2), "permutation"),
+        (dict(order=[0, 1], costs=[1, 1], num_ranks=0), "num_ranks"),
+        (dict(order=[0, 1], costs=[1, -1], num_ranks=2), "param 1"),
+    ],
+)
+def test_plan_waves_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_waves(**kwargs)
+
+
+def test_wave_validates_homes():
+    with pytest.raises(ValueError):
+        Wave(index=0, params=(1, 2), homes={1: 0})
+
+
+# ---------------------------------------------------------------------------------------------------- dispatcher
+
+
+def _plan(n=19, r=8, **kw):
+    return plan_waves(list(range(n - 1, -1, -1)), [1.0] * n, r, **kw)
+
+
+class _Recorder:
+    """A launch callback that checks, at each launch, that order and readiness hold."""
+
+    def __init__(self, waves):
+        self.waves = waves
+        self.launched = []
+        self.marked = set()  # filled by the test BEFORE calling mark_ready
+        self.flushing = False
+
+    def __call__(self, wave):
+        assert wave.index == len(self.launched), (wave.index, self.launched)
+        if not self.flushing:
+            assert set(wave.params) <= self.marked
+        self.launched.append(wave.index)
+
+
+def _leading_complete(waves, marked):
+    k = 0
+    while k < len(waves) and set(waves[k].params) <= marked:
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dispatcher_scrambled_marks_launch_in_order(seed):
+    waves = _plan()
+    rec = _Recorder(waves)
+    d = WaveDispatcher(waves, rec)
+    marks = list(range(19))
+    random.Random(seed).shuffle(marks)
+    for i in marks:
+        rec.marked.add(i)
+        d.mark_ready(i)
+        assert d.launched == _leading_complete(waves, rec.marked) == len(rec.launched)
+    assert d.all_launched and rec.launched == list(range(len(waves)))
+    assert d.flush() == 0
+
+
+def test_dispatcher_flush_with_unmarked_params():
+    """Regression: a param whose gradient never arrives (unused) must not stall its wave or later ones."""
+    waves = _plan()  # sizes [5, 8, 4, 2]: wave 0 = params 18..14
+    rec = _Recorder(waves)
+    d = WaveDispatcher(waves, rec)
+    for i in [18, 17, 16, 15, 14, 13] + [1, 0]:  # wave 0, part of wave 1, all of wave 3
+        rec.marked.add(i)
+        d.mark_ready(i)
+    assert d.launched == 1 and not d.all_launched
+    rec.flushing = True
+    assert d.flush() == 3
+    assert rec.launched == [0, 1, 2, 3] and d.all_launched
+    rec.flushing = False
+    d.mark_ready(5)  # late mark after the flush: no relaunch
+    assert rec.launched == [0, 1, 2, 3]
+    # A new step starts clean.
+    d.reset()
+    rec.launched.clear()
+    assert d.launched == 0
+    for i in range(18, 13, -1):
+        d.mark_ready(i)
+    assert rec.launched == [0]
+
+
+def test_dispatcher_idempotent_and_unknown():
+    waves = _plan(4, 2, taper=False)  # [3, 2], [1, 0]
+    rec = _Recorder(waves)
+    d = WaveDispatcher(waves, rec)
+    rec.marked |= {3}
+    d.mark_ready(3)
+    d.mark_ready(3)
+    d.mark_ready(3)
+    assert d.launched == 0  # param 2 still missing: repeats of 3 do not count
+    rec.marked |= {2}
+    d.mark_ready(2)
+    d.mark_ready(2)
+    assert rec.launched == [0]
+    with pytest.raises(ValueError, match="param 7"):
+        d.mark_ready(7)
+
+
+def test_dispatcher_bad_waves():
+    w0 = Wave(index=0, params=(0,), homes={0: 0})
+    with pytest.raises(ValueError, match="index"):
+        WaveDispatcher([Wave(index=1, params=(0,), homes={0: 0})], lambda w: None)
+    with pytest.raises(ValueError, match="param 0"):
+        WaveDispatcher([w0, Wave(index=1, params=(0,), homes={0: 0})], lambda w: None)
+    with pytest.raises(ValueError, match="no params"):
+        WaveDispatcher([w0, Wave(index=1, params=(), homes={})], lambda w: None)
+
+
+def test_dispatcher_reentrant_launch_keeps_order():
+    """A launch that marks params itself (same thread) must neither deadlock nor launch out of order."""
+    waves = _plan(6, 2, taper=False)  # [5, 4], [3, 2], [1, 0]
+    launched = []
+
+    def launch(w):
+        launched.append(w.index)
+        if w.index == 0:
+            for i in (1, 0, 3, 2):  # completes wave 2 before wave 1
+                d.mark_ready(i)
+            assert launched == [0]  # nothing launched from inside the launch
+            d.flush()
+            assert launched == [0]
+
+    d = WaveDispatcher(waves, launch)
+    d.mark_ready(5)
+    d.mark_ready(4)
+    assert launched == [0, 1, 2]
+
+
+def test_dispatcher_failed_launch_blocks_until_reset():
+    waves = _plan(4, 2, taper=False)
+    calls = []
+
+    def launch(w):
+        calls.append(w.index)
+        if len(calls) == 1:
+            raise OSError("lane down")
+
+    d = WaveDispatcher(waves, launch)
+    d.mark_ready(3)
+    with pytest.raises(OSError):
+        d.mark_ready(2)
+    assert d.launched == 0
+    with pytest.raises(RuntimeError, match="reset"):
+        d.mark_ready(1)
+    with pytest.raises(RuntimeError, match="reset"):
+        d.flush()
+    d.reset()
+    assert d.flush() == 2 and calls == [0, 0, 1]
+
+
+def test_dispatcher_threads_marking_concurrently():
+    """Marks racing on several threads (autograd device threads, comm threads) still launch in wave order."""
+    n, threads = 64, 8
+    waves = plan_waves(list(range(n - 1, -1, -1)), [float(i % 5 + 1) for i in range(n)], 8, wave_slots=6)
+    for step in range(15):
+        rec = _Recorder(waves)
+        lock = threading.Lock()
+        d = WaveDispatcher(waves, rec)
+        marks = list(range(n))
+        random.Random(step).shuffle(marks)
+        barrier = threading.Barrier(threads)
+        errors = []
+
+        def work(chunk):
+            try:
+                barrier.wait()
+                for i in chunk:
+                    with lock:
+                        rec.marked.add(i)
+                    d.mark_ready(i)
+                    d.mark_ready(i)
+            except BaseException as e:  # noqa: BLE001 - surfaced below
+                errors.append(e)
+
+        ts = [threading.Thread(target=work, args=(marks[t::threads],)) for t in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=30)
+        assert not errors, errors
+        assert rec.launched == list(range(len(waves))) and d.all_launched
+
+
+# ---------------------------------------------------------------------------------------------------- recorder
+
+
+def test_readiness_recorder():
+    r = ReadinessRecorder(6)
+    for i in (4, 5, 4, 1, 5):
+        r.mark_ready(i)
+    assert r.recorded == (4, 5, 1)
+    assert r.order() == [4, 5, 1, 3, 2, 0]
+    r.reset()
+    assert r.order() == [5, 4, 3, 2, 1, 0]
+    with pytest.raises(ValueError):
+        r.mark_ready(6)
+    with pytest.raises(ValueError):
+        ReadinessRecorder(-1)
+    # Its order is a valid plan_waves order.
+    assert len(plan_waves(r.order(), [1.0] * 6, 2)) >= 1

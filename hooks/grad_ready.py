@@ -3,7 +3,8 @@
 Generic: these report *param indices*; what happens next (a wave dispatcher, a recorder) is the caller's.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: DDP.register_comm_hook checks the hook's annotations as
+# objects (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
 
 import threading
 from dataclasses import dataclass

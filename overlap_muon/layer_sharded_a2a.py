@@ -334,6 +334,18 @@ def _full_shape(shape: tuple[int, ...], dim: int | None, full: int | None) -> tu
     return shape if dim is None else _replace(shape, dim, full)
 
 
+def _signature(op, size, rank, shapes, homes, dims, fulls) -> tuple:
+    """Everything the metadata of a seed-level exchange depends on (dtype is not: splits count elements)."""
+    return (
+        ("op", op),
+        ("group", (size, rank)),
+        ("shapes", shapes),
+        ("homes", homes),
+        ("shard_dims", dims),
+        ("dim_sizes", fulls),
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Seed API: one exchange over one group.
 # ----------------------------------------------------------------------------------------------------------------
@@ -433,7 +445,7 @@ def _route_to(tensors, shapes, homes, dims, fulls, group, size, rank, meta, plan
                 d = dims[i]
                 if d is None:
                     continue
-                length, start = chunk_sizes(fulls[i], size)[s], chunk_offsets(fulls[i], size)[s]
+                length, start = chunk_sizes(fulls[i], size)[s], chunk_offsets(fulls[i], size)[size - 1 - s]
                 p = recv.add(s, i, _replace(shapes[i], d, length), ((d, start, length),))
                 if p is not None:
                     pieces[i].append(p)
@@ -722,28 +734,54 @@ def to_homes(
         mine = [i for i, h in enumerate(p.homes) if h == me]
         if R * T == 1 or not shards:
             return [shards[i].contiguous() for i in mine], mine
-        return _execute(_cached(plan, "fused_to", (("op", "fused_to"),), lambda sig: _fused_to(sig, p, domain)),
-                        shards, domain.flat_group, p.dtype, p.device), mine  # fmt: skip
-    sub = (lambda k: plan.setdefault(k, {})) if plan is not None else (lambda k: None)
+        route = _cached(plan, "fused_to", (("op", "fused_to"),), lambda sig: _fused_to(sig, p, domain))
+        return _execute(route, shards, domain.flat_group, p.dtype, p.device), mine
+    meta = (p.dtype, p.device)
     coords = [divmod(h, T) for h in p.homes]
-    # Stage 1: over the remat group, rows to the home's g.
+    # Stage 1, over the remat group: rows to the home's g. A None-partition param moves only in the remat group
+    # of its home's t (its TP peers hold copies).
     a1 = [i for i in range(len(shards)) if p.pds[i] is not None or coords[i][1] == t]
-    len1 = tuple(chunk_sizes(p.full[i][0], T)[t] if p.pds[i] == 0 else p.full[i][0] for i in a1)
-    res1, got1 = _route_to([shards[i] for i in a1], tuple(shapes[i] for i in a1), tuple(coords[i][0] for i in a1),
-                           (0,) * len(a1), len1, domain.remat_group, R, g, (p.dtype, p.device),
-                           sub("remat"))  # fmt: skip
-    got1 = [a1[j] for j in got1]
-    # Stage 2: over the TP group, the TP blocks of params homed on this g to the home's t.
+    res1, got = _route_to(
+        [shards[i] for i in a1],
+        tuple(shapes[i] for i in a1),
+        tuple(coords[i][0] for i in a1),
+        (0,) * len(a1),
+        tuple(_remat_length(p.full[i], p.pds[i], T, t) for i in a1),
+        domain.remat_group,
+        R,
+        g,
+        meta,
+        _sub_plan(plan, "remat"),
+    )
+    got1 = [a1[j] for j in got]  # params homed on this g, each now a full TP block (or, None, the full matrix)
+    # Stage 2, over the TP group: TP blocks of the params homed on this g to the home's t.
     a2 = [k for k, i in enumerate(got1) if p.pds[i] is not None]
     ids2 = [got1[k] for k in a2]
-    len2 = tuple(p.full[i][p.pds[i]] for i in ids2)
-    res2, got2 = _route_to([res1[k] for k in a2], tuple(tuple(res1[k].shape) for k in a2),
-                           tuple(coords[i][1] for i in ids2), tuple(p.pds[i] for i in ids2), len2,
-                           domain.tp_group, T, t, (p.dtype, p.device), sub("tp"))  # fmt: skip
+    res2, got2 = _route_to(
+        [res1[k] for k in a2],
+        tuple(tuple(res1[k].shape) for k in a2),
+        tuple(coords[i][1] for i in ids2),
+        tuple(p.pds[i] for i in ids2),
+        tuple(p.full[i][p.pds[i]] for i in ids2),
+        domain.tp_group,
+        T,
+        t,
+        meta,
+        _sub_plan(plan, "tp"),
+    )
     done = {ids2[j]: x for j, x in zip(got2, res2)}
     done.update((i, res1[k]) for k, i in enumerate(got1) if p.pds[i] is None)
     mine = sorted(done)
     return [done[i] for i in mine], mine
+
+
+def _remat_length(full: tuple[int, int], pd: int | None, T: int, t: int) -> int:
+    """Rows a remat group of TP rank ``t`` splits: TP block ``t``'s rows for partition 0, else all ``P``."""
+    return chunk_sizes(full[0], T)[t] if pd == 0 else full[0]
+
+
+def _sub_plan(plan: dict | None, key: str) -> dict | None:
+    return None if plan is None else plan.setdefault(key, {})
 
 
 def _fused_to(sig: tuple, p: _Params, domain: Domain) -> _Route:
@@ -818,28 +856,43 @@ def from_homes(
             return list(ns_results)
         route = _cached(plan, "fused_from", (("op", "fused_from"),), lambda sig: _fused_from(sig, p, domain))
         return _execute(route, ns_results, domain.flat_group, dtype, p.device)
-    sub = (lambda k: plan.setdefault(k, {})) if plan is not None else (lambda k: None)
     coords = [divmod(h, T) for h in p.homes]
-    # Stage 2 reversed: over the TP group, from the home to the TP blocks of its g.
+    # Stage 2 reversed, over the TP group: the home sends each TP peer its TP block (None: a full copy, since
+    # every peer then scatters rows in its own remat group).
     b2 = [i for i in range(len(shards)) if coords[i][0] == g]
-    shapes2, len2 = [], []
+    shapes2 = []
     for i in b2:
         P, Q = p.full[i]
-        if p.pds[i] == 0:
-            shapes2.append((chunk_sizes(P, T)[t], Q))
-        elif p.pds[i] == 1:
-            shapes2.append((P, chunk_sizes(Q, T)[t]))
-        else:
-            shapes2.append((P, Q))
-        len2.append(None if p.pds[i] is None else p.full[i][p.pds[i]])
-    mine2 = [j for j, i in enumerate(b2) if coords[i][1] == t]
-    out2 = _route_from(list(ns_results), mine2, tuple(shapes2), tuple(coords[i][1] for i in b2),
-                       tuple(p.pds[i] for i in b2), tuple(len2), domain.tp_group, T, t, dtype, p.device,
-                       sub("tp"))  # fmt: skip
-    # Stage 1 reversed: over the remat group, rows from the home's g to every g.
-    len1 = tuple(chunk_sizes(P, T)[t] if pd == 0 else P for (P, _), pd in zip(p.full, p.pds))
-    return _route_from(out2, b2, shapes, tuple(c[0] for c in coords), (0,) * len(shapes), len1,
-                       domain.remat_group, R, g, dtype, p.device, sub("remat"))  # fmt: skip
+        shapes2.append({0: (chunk_sizes(P, T)[t], Q), 1: (P, chunk_sizes(Q, T)[t]), None: (P, Q)}[p.pds[i]])
+    out2 = _route_from(
+        list(ns_results),
+        [j for j, i in enumerate(b2) if coords[i][1] == t],
+        tuple(shapes2),
+        tuple(coords[i][1] for i in b2),
+        tuple(p.pds[i] for i in b2),
+        tuple(None if p.pds[i] is None else p.full[i][p.pds[i]] for i in b2),
+        domain.tp_group,
+        T,
+        t,
+        dtype,
+        p.device,
+        _sub_plan(plan, "tp"),
+    )
+    # Stage 1 reversed, over the remat group: rows from the home's g to every g.
+    return _route_from(
+        out2,
+        b2,
+        shapes,
+        tuple(c[0] for c in coords),
+        (0,) * len(shapes),
+        tuple(_remat_length(f, pd, T, t) for f, pd in zip(p.full, p.pds)),
+        domain.remat_group,
+        R,
+        g,
+        dtype,
+        p.device,
+        _sub_plan(plan, "remat"),
+    )
 
 
 def _fused_from(sig: tuple, p: _Params, domain: Domain) -> _Route:

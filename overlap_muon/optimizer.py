@@ -466,7 +466,7 @@ class OverlapMuon(torch.optim.Optimizer):
         if self._accumulating:
             return
         if self._recorder is not None:
-            self._recorder.mark(i)
+            self._recorder.mark_ready(i)
         self._dispatcher.mark_ready(i)
 
     def _on_backward_end(self) -> None:
@@ -522,6 +522,7 @@ class OverlapMuon(torch.optim.Optimizer):
 
         def ns_task() -> list[Tensor]:
             _, fulls, _ = h_to.result()
+            self._record("ns_start", k)
             with prof_range(wave_range_name(k, "ns"), nvtx=nv):
                 return self._ns_many(fulls, ns_kw)
 
@@ -664,10 +665,14 @@ class OverlapMuon(torch.optim.Optimizer):
         the waves on the accumulated gradients, so NS runs once per matrix per optimizer step."""
         prev = self._accumulating
         self._accumulating = True
+        if self._tracker is not None:
+            self._tracker.enabled = False
         try:
             yield
         finally:
             self._accumulating = prev
+            if self._tracker is not None:
+                self._tracker.enabled = not prev
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Like ``Optimizer.zero_grad``; zeroing in place first waits for the lanes still reading gradients."""

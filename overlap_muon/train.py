@@ -30,6 +30,7 @@ Prints a tqdm bar on rank 0 (loss, tokens/s), validation loss every ``--eval-eve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import math
@@ -255,6 +256,20 @@ def _sync(opt) -> None:
         fn()
 
 
+def _accumulating(opt, on: bool):
+    """``opt.no_sync()`` for a micro-batch that is not the step's last (nothing is dispatched on partial
+    gradients), else a no-op context."""
+    fn = getattr(opt, "no_sync", None)
+    return fn() if on and fn is not None else contextlib.nullcontext()
+
+
+def _close(opt) -> None:
+    """Wait for pending updates and release the optimizer's hooks and worker threads, if it has any."""
+    fn = getattr(opt, "close", None)
+    if fn is not None:
+        fn()
+
+
 def _lr_factor(step: int, args: argparse.Namespace) -> float:
     """``warmup(step) * cooldown(step)`` for the 0-based ``step`` (see the module docstring)."""
     f = 1.0
@@ -436,6 +451,14 @@ def _train(args, cfg, data, device, rank, world, fingerprint) -> dict:
         remat_group = mesh["remat"].get_group() if args.remat > 1 else None
         parallelize(model, mesh)
     opt = _build_optimizer(args, model, mesh)
+    try:
+        return _loop(args, cfg, data, device, rank, world, fingerprint, model, opt, mesh, g, remat_group)
+    finally:
+        _close(opt)
+
+
+def _loop(args, cfg, data, device, rank, world, fingerprint, model, opt, mesh, g, remat_group) -> dict:
+    from tqdm import tqdm
 
     log = rank == 0 and not args.quiet
     start, losses, val_hist = 0, [], []
@@ -470,11 +493,12 @@ def _train(args, cfg, data, device, rank, world, fingerprint) -> dict:
         for k in range(args.grad_accum):
             rows = slice((g * args.grad_accum + k) * mb, (g * args.grad_accum + k + 1) * mb)
             x, y = x_all[rows].to(device), y_all[rows].to(device)
+            last = k == args.grad_accum - 1
             if args.remat > 1 and args.grad_accum > 1:
-                model.set_requires_gradient_sync(k == args.grad_accum - 1)
+                model.set_requires_gradient_sync(last)
             with torch.profiler.record_function("train::forward"):
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            with torch.profiler.record_function("train::backward"):
+            with torch.profiler.record_function("train::backward"), _accumulating(opt, not last):
                 (loss / args.grad_accum if args.grad_accum > 1 else loss).backward()
             loss_sum += loss.detach().double().cpu()
         with torch.profiler.record_function("train::optimizer_step"):

@@ -116,3 +116,57 @@ def set_grad(p: torch.Tensor, full_grad: torch.Tensor, pd, R, T, g, t) -> None:
 def coords(R: int, T: int) -> tuple[int, int]:
     r = dist.get_rank() if dist.is_initialized() else 0
     return divmod(r, T)
+
+
+class ShardLinear(nn.Module):
+    """Owns one Muon weight (a plain local block); ``forward(c) = (weight * c).sum()`` so its gradient is ``c``
+    exactly, and calling it fires the module's forward pre-hooks like any layer."""
+
+    def __init__(self, w: torch.Tensor, pd, full_shape) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(w)
+        self.weight.partition_dim = pd
+        self.weight.full_shape = tuple(full_shape)
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.weight * c).sum()
+
+
+class PlainShardNet(nn.Module):
+    """Muon weights as plain local blocks of TinyNet-like full shapes, plus one 1-D AdamW param.
+
+    ``forward(cs, order=None, skip=())`` sums each layer's loss, ``cs[name]`` being that layer's local gradient;
+    ``order`` permutes the layers (so backward reaches them in another order) and ``skip`` leaves some unused.
+    """
+
+    SHAPES = {"l0": ((20, 12), 0), "l1": ((12, 20), 1), "l2": ((7, 12), None), "l3": ((13, 7), 0),
+              "l4": ((20, 12), 0), "l5": ((9, 9), 1)}
+
+    def __init__(self, R: int, T: int, g: int, t: int, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.full = {}
+        for name, (shape, pd) in self.SHAPES.items():
+            full = torch.randn(shape, generator=gen)
+            self.full[name] = full
+            self.add_module(name, ShardLinear(block(full, pd, R, T, g, t).clone(), pd, shape))
+        self.scale = nn.Parameter(torch.ones(5))
+        self.coords = (R, T, g, t)
+
+    def forward(self, cs, order=None, skip=()):
+        names = list(order) if order is not None else list(self.SHAPES)
+        loss = (self.scale * cs["scale"]).sum()
+        for n in names:
+            if n not in skip:
+                loss = loss + getattr(self, n)(cs[n])
+        return loss
+
+    def local_grads(self, step: int, micro: int = 0) -> tuple[dict, dict]:
+        """(local grads for forward, full grads for the reference) of a step/micro-batch, same on every rank."""
+        R, T, g, t = self.coords
+        gen = torch.Generator().manual_seed(10_000 + 100 * step + micro)
+        fulls = {n: torch.randn(shape, generator=gen) for n, (shape, _) in self.SHAPES.items()}
+        fulls["scale"] = torch.randn(5, generator=gen)
+        locs = {n: block(fulls[n], pd, R, T, g, t).contiguous() for n, (_, pd) in self.SHAPES.items()}
+        locs["scale"] = fulls["scale"]
+        return locs, fulls

@@ -62,7 +62,7 @@ def _profile_synthetic_loop(trace_path: str, num_waves: int = 3, active_steps: i
             on_trace_ready=lambda p: p.export_chrome_trace(trace_path),
             experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True),
         ) as prof:
-            for _ in range(1 + active_steps):
+            for step in range(1 + active_steps):
                 with record_function("## forward ##"):
                     for fut in pending:  # the forward pre-hook waits on each wave's update
                         with record_function("OverlapMuon::wait_wave"):
@@ -77,9 +77,13 @@ def _profile_synthetic_loop(trace_path: str, num_waves: int = 3, active_steps: i
                         pending.append(comm.submit(_from_home, k, ns))
                 with record_function("## optimizer ##"):
                     _busy(0.0005)
+                if step == active_steps:
+                    # Drain inside the last profiled step, so every wave of the active steps is recorded whole.
+                    with record_function("OverlapMuon::wait_flush"):
+                        for fut in pending:
+                            fut.result()
+                    pending = []
                 prof.step()
-            for fut in pending:
-                fut.result()
     finally:
         comm.shutdown(wait=True)
         compute.shutdown(wait=True)

@@ -1,0 +1,308 @@
+"""The overlap runtime: waves launched from backward, forward waits, accumulation, unused params, ordering."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from overlap_muon import OverlapMuon
+from tests.dist_utils import run_ranks
+from tests.models import ADAMW_KW, PlainShardNet, TinyNet, block, build_dtensor_model, local
+
+HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+MUON_2D = dict(muon_filter=lambda name, p: p.ndim == 2)
+
+
+def _groups(R, T, g, t):
+    """Explicit TP (ranks sharing g) and remat (ranks sharing t) groups; every rank creates all of them."""
+    tp = [dist.new_group([gg * T + tt for tt in range(T)]) for gg in range(R)] if T > 1 else None
+    rm = [dist.new_group([gg * T + tt for gg in range(R)]) for tt in range(T)] if R > 1 else None
+    return (tp[g] if tp else None), (rm[t] if rm else None)
+
+
+def _plain_opt(net, R, T, g, t, **kw):
+    if R * T == 1:
+        return OverlapMuon(net, adamw_kwargs=ADAMW_KW, **MUON_2D, **HP, **kw)
+    tp, rm = _groups(R, T, g, t)
+    return OverlapMuon(net, adamw_kwargs=ADAMW_KW, tp_group=tp, remat_group=rm, **MUON_2D, **HP, **kw)
+
+
+def _reference_plain(steps, micro=1, skip_fn=None):
+    """torch.optim.Muon + AdamW on the full PlainShardNet matrices, grads summed over micro-batches in order."""
+    net = PlainShardNet(1, 1, 0, 0)
+    fulls = {n: nn.Parameter(net.full[n].clone()) for n in net.SHAPES}
+    scale = nn.Parameter(torch.ones(5))
+    mu = torch.optim.Muon(list(fulls.values()), **HP)
+    aw = torch.optim.AdamW([scale], **ADAMW_KW)
+    for s in range(steps):
+        for n, p in fulls.items():
+            p.grad = None
+        scale.grad = None
+        skip = skip_fn(s) if skip_fn else ()
+        for m in range(micro):
+            _, fg = net.local_grads(s, m)
+            for n, p in fulls.items():
+                if n in skip:
+                    continue
+                p.grad = fg[n].clone() if p.grad is None else p.grad + fg[n]
+            scale.grad = fg["scale"].clone() if scale.grad is None else scale.grad + fg["scale"]
+        mu.step()
+        aw.step()
+    return fulls, mu
+
+
+def _check_plain(net, opt, fulls, mu, R, T, g, t, tag):
+    bad = []
+    for n, (_, pd) in net.SHAPES.items():
+        w = getattr(net, n).weight
+        if not torch.equal(w.detach(), block(fulls[n].detach(), pd, R, T, g, t)):
+            bad.append(f"{tag}: {n}")
+        st = mu.state.get(fulls[n])
+        if st is not None and not torch.equal(opt.state[w]["momentum_buffer"], block(st["momentum_buffer"], pd, R, T, g, t)):
+            bad.append(f"{tag}: momentum {n}")
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# overlap on == overlap off (and == torch.optim.Muon for the plain model)
+# ---------------------------------------------------------------------------------------------------------------
+def _on_off_plain(rank, world, R, T):
+    g, t = divmod(rank, T)
+    bad = []
+    fulls, mu = _reference_plain(5)
+    for fused in (True, False):
+        for overlap in (True, False):
+            net = PlainShardNet(R, T, g, t)
+            opt = _plain_opt(net, R, T, g, t, overlap=overlap, fused_a2a=fused)
+            for s in range(5):
+                cs, _ = net.local_grads(s)
+                net(cs).backward()
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            bad += _check_plain(net, opt, fulls, mu, R, T, g, t, f"{R}x{T} fused={fused} overlap={overlap}")
+            opt.close()
+    return bad
+
+
+def _on_off_dtensor(rank, world, R, T):
+    bad = []
+    torch.manual_seed(0)
+    full = TinyNet()
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(5))
+    finals = {}
+    for fused in (True, False):
+        for overlap in (True, False):
+            model, mesh = build_dtensor_model(full, R, T)
+            opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, overlap=overlap, fused_a2a=fused, **HP)
+            for s in range(5):
+                model(x * (s + 1)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            finals[(fused, overlap)] = (
+                [local(p).detach().clone() for p in model.parameters()],
+                [local(opt.state[p]["momentum_buffer"]).clone() for p in model.parameters() if "momentum_buffer" in opt.state[p]],
+            )
+            opt.close()
+    base = finals[(False, False)]
+    for key, (ps, ms) in finals.items():
+        if not all(torch.equal(a, b) for a, b in zip(ps, base[0])) or not all(torch.equal(a, b) for a, b in zip(ms, base[1])):
+            bad.append(f"{R}x{T} dtensor fused={key[0]} overlap={key[1]} differs from synchronous two-stage")
+    return bad
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("R,T", [(1, 1), (1, 2), (2, 2)])
+def test_overlap_on_off_equal(R, T):
+    """Overlap on vs off after 5 steps, fused and two-stage: bitwise equal (plain model also to torch.optim.Muon)."""
+    res = run_ranks(_on_off_plain, R * T, R, T, timeout=180)
+    res += run_ranks(_on_off_dtensor, R * T, R, T, timeout=180)
+    bad = [b for r in res for b in r]
+    assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# readiness order scrambled per rank
+# ---------------------------------------------------------------------------------------------------------------
+def _scrambled(rank, world, R, T):
+    """Regression: ranks whose gradients become ready in different orders must still launch waves in one order
+    (else the all_to_alls of different waves would pair up across ranks and hang or mix data)."""
+    g, t = divmod(rank, T)
+    fulls, mu = _reference_plain(4)
+    net = PlainShardNet(R, T, g, t)
+    opt = _plain_opt(net, R, T, g, t, overlap=True, wave_slots=1)
+    launched = []
+    orig = opt._dispatcher._launch
+    opt._dispatcher._launch = lambda w: (launched.append(w.index), orig(w))[1]
+    rng = random.Random(rank * 7 + 1)
+    for s in range(4):
+        order = list(net.SHAPES)
+        rng.shuffle(order)
+        cs, _ = net.local_grads(s)
+        net(cs, order=order).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    bad = _check_plain(net, opt, fulls, mu, R, T, g, t, f"scrambled rank {rank}")
+    n = len(opt.waves)
+    if launched != list(range(n)) * 4:
+        bad.append(f"rank {rank} launched waves in order {launched}")
+    opt.close()
+    return bad
+
+
+@pytest.mark.timeout(120)
+def test_scrambled_readiness_order():
+    bad = [b for r in run_ranks(_scrambled, 4, 2, 2, timeout=100) for b in r]
+    assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gradient accumulation, unused params
+# ---------------------------------------------------------------------------------------------------------------
+def _accumulate(rank, world, R, T):
+    g, t = divmod(rank, T)
+    fulls, mu = _reference_plain(2, micro=5)
+    net = PlainShardNet(R, T, g, t)
+    opt = _plain_opt(net, R, T, g, t, overlap=True)
+    bad = []
+    for s in range(2):
+        before = opt.stats["ns_matrices"]
+        for m in range(4):
+            with opt.no_sync():
+                cs, _ = net.local_grads(s, m)
+                net(cs).backward()
+            if opt.stats["waves_launched"] != s * len(opt.waves):
+                bad.append(f"rank {rank}: a wave launched inside no_sync (step {s}, micro {m})")
+        cs, _ = net.local_grads(s, 4)
+        net(cs).backward()
+        opt.step()
+        opt.synchronize()
+        n = torch.tensor([opt.stats["ns_matrices"] - before])
+        if world > 1:
+            dist.all_reduce(n)
+        if n.item() != len(net.SHAPES):
+            bad.append(f"step {s}: {n.item()} matrices NS'd, expected {len(net.SHAPES)}")
+        opt.zero_grad()
+    bad += _check_plain(net, opt, fulls, mu, R, T, g, t, f"accumulation rank {rank}")
+    opt.close()
+    return bad
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("R,T", [(1, 1), (1, 2)])
+def test_gradient_accumulation_no_sync(R, T):
+    """4 micro-batches under no_sync + 1 outside == one step on the summed gradient, bitwise; NS once per matrix."""
+    bad = [b for r in run_ranks(_accumulate, R * T, R, T, timeout=100) for b in r]
+    assert not bad, "\n".join(bad)
+
+
+def _unused(rank, world, R, T):
+    g, t = divmod(rank, T)
+
+    def skip(s):
+        return ("l5",) if s % 2 else ("l5", "l3")  # l5 never used; l3 used on odd steps only
+
+    # l5 never receives a gradient: torch.optim.Muon leaves it untouched (no state); so must we.
+    fulls, mu = _reference_plain(4, skip_fn=skip)
+    net = PlainShardNet(R, T, g, t)
+    l5_before = net.l5.weight.detach().clone()
+    opt = _plain_opt(net, R, T, g, t, overlap=True, wave_slots=1)
+    for s in range(4):
+        cs, _ = net.local_grads(s)
+        net(cs, skip=skip(s)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    bad = _check_plain(net, opt, fulls, mu, R, T, g, t, f"unused rank {rank}")
+    if not torch.equal(net.l5.weight.detach(), l5_before):
+        bad.append("the never-used param changed")
+    opt.close()
+    return bad
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("R,T", [(1, 1), (2, 1)])
+def test_unused_and_sometimes_used_params(R, T):
+    bad = [b for r in run_ranks(_unused, R * T, R, T, timeout=100) for b in r]
+    assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# overlap really happens (order of timestamps, not durations)
+# ---------------------------------------------------------------------------------------------------------------
+class Deep(nn.Module):
+    def __init__(self, n=6, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_ns_starts_inside_backward_and_forward_waits_only_for_its_wave():
+    torch.manual_seed(0)
+    model = Deep()
+    opt = OverlapMuon(model, overlap=True, wave_slots=1, ns_delay_s=0.05, **HP)
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.timeline = []
+    # Make backward long enough (host-side) that wave 0's NS must start inside it.
+    import time as _time
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return y.clone()
+
+        @staticmethod
+        def backward(ctx, gy):
+            _time.sleep(0.5)
+            return gy
+
+    y = model(x)
+    loss = Slow.apply(model.layers[0](x)).sum() * 0 + y.sum()  # the slow node runs near the end of backward
+    loss.backward()
+    t_bwd_end = _time.perf_counter()
+    opt.step()
+    # first module of the next forward
+    first_wave = opt._wave_of[0]
+    opt.timeline.append(("forward_begin", -1, _time.perf_counter()))
+    model(x)
+    tl = list(opt.timeline)
+    opt.close()
+    ns0 = [ts for ev, k, ts in tl if ev == "ns_start" and k == 0]
+    assert ns0 and ns0[0] < t_bwd_end, f"wave 0's NS did not start inside backward: {tl}"
+    fwd = [ts for ev, k, ts in tl if ev == "forward_begin"][0]
+    waits = [(ev, k) for ev, k, ts in tl if ev == "wait_begin" and ts >= fwd]
+    assert waits[0] == ("wait_begin", first_wave), waits
+    # layer 0's pre-hook waited only for its own wave (the last one launched)
+    assert first_wave == len(opt.waves) - 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lane errors surface in the main thread
+# ---------------------------------------------------------------------------------------------------------------
+def test_lane_error_surfaces_with_traceback():
+    torch.manual_seed(0)
+    model = Deep(n=2)
+    opt = OverlapMuon(model, overlap=True, **HP)
+
+    def boom(*a, **k):
+        raise FloatingPointError("injected NS failure")
+
+    opt._ns_many = boom
+    model(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match="lane task failed") as ei:
+        opt.step()  # surfaces here if the lane already failed, else at synchronize()
+        opt.synchronize()
+    assert isinstance(ei.value.__cause__, FloatingPointError)

@@ -25,15 +25,15 @@ dtype, and no backend ever sees a dtype it lacks. (Viewing bf16/fp16 as int16 is
 
 [Note: validation is local] All input checks run before any collective and raise ``ValueError`` naming the
 param index, its shape and the expectation. They see only this rank's inputs, so an error that exists on every
-rank (a bad home map, mixed dtypes, a wrong ``dim_sizes``, a bad shape of a replicated input) is raised on every
-rank; an inconsistency between ranks that no single rank can see (e.g. uneven shards passed without
+rank (a bad home map, mixed dtypes, a wrong ``dim_sizes``, results that do not match the homes) is raised on
+every rank; an inconsistency between ranks that no single rank can see (e.g. uneven shards passed without
 ``dim_sizes``, so ranks disagree on the full length) cannot be caught without an extra collective and surfaces
 as a backend error or a process-group timeout.
 
-[Note: results may alias] Where no data moves, a result is its input: on a trivial group (``None`` or size 1),
-the home's own copy of a replicated (``shard_dim=None``) param, and ``.contiguous()`` of a contiguous input
-returns the input itself. A result received as one whole piece is a view into the receive buffer. Callers that
-mutate results in place must copy first.
+[Note: results may alias] Where no data moves (a trivial group, ``None`` or size 1; the home's own copy of a
+replicated ``shard_dim=None`` param), a result is the input itself, or its ``.contiguous()`` copy when the input is
+a non-contiguous view. A result received as one whole piece is a view into the receive buffer. Callers that mutate
+results in place must copy first.
 """
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ def route_to_ns_home(
     momentum_list: list[Tensor],
     param_to_home_rank: dict,
     group: ProcessGroup | None,
-    shard_dim=0,
+    shard_dim: int | None | Sequence[int | None] = 0,
     plan: dict | None = None,
     *,
     dim_sizes: Sequence[int | None] | None = None,
@@ -445,7 +445,7 @@ def _route_to(tensors, shapes, homes, dims, fulls, group, size, rank, meta, plan
                 d = dims[i]
                 if d is None:
                     continue
-                length, start = chunk_sizes(fulls[i], size)[s], chunk_offsets(fulls[i], size)[size - 1 - s]
+                length, start = chunk_sizes(fulls[i], size)[s], chunk_offsets(fulls[i], size)[s]
                 p = recv.add(s, i, _replace(shapes[i], d, length), ((d, start, length),))
                 if p is not None:
                     pieces[i].append(p)
@@ -467,7 +467,7 @@ def route_from_ns_home(
     momentum_list: list[Tensor],
     param_to_home_rank: dict,
     group: ProcessGroup | None,
-    shard_dim=0,
+    shard_dim: int | None | Sequence[int | None] = 0,
     plan: dict | None = None,
     *,
     dim_sizes: Sequence[int | None] | None = None,
@@ -711,8 +711,8 @@ def to_homes(
             its R*T blocks (for partition_dim None from the R ranks with its ``t``). False: two seed stages,
             stage 1 over ``remat_group`` along dim 0 to the home's ``g`` (None-partition params only in the remat
             group with the home's ``t``), stage 2 over ``tp_group`` along the partition dim to the home's ``t``
-            (only params homed on this rank's ``g``, none of partition None). Stages with nothing to move or a
-            trivial group issue no collective, so at most 2 collectives.
+            (only params homed on this rank's ``g``, none of partition None). A stage with no participating
+            param or a trivial group issues no collective, so at most 2 collectives.
         plan: optional dict caching the metadata, one per (set of params, fused); also valid for
             :func:`from_homes` with the same params. Reuse with a different call raises ``ValueError``.
 

@@ -562,11 +562,15 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, model, opt, mesh, g
     if rank == 0:
         print(
             f"summary: step {stop} | val loss {val:.4f} nats = {summary['val_bpb']:.4f} bits/byte | unigram entropy "
-            f"{unigram:.4f} bits/byte ({100 * summary['below_unigram']:.1f}% below) | {summary['steps_per_s']:.2f} "
+            f"{unigram:.4f} bits/byte ({_below(summary['below_unigram'])}) | {summary['steps_per_s']:.2f} "
             f"steps/s, {summary['tokens_per_s']:.0f} tokens/s | checksum sum={csum:.10e} sha256={chash}",
             flush=True,
         )
     return summary
+
+
+def _below(frac: float) -> str:
+    return f"{100 * frac:.1f}% below" if frac >= 0 else f"{-100 * frac:.1f}% above"
 
 
 def _profiler(args, rank, device):
@@ -581,11 +585,18 @@ def _profiler(args, rank, device):
         p.export_chrome_trace(out)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # The optimizer's ranges are emitted on its lane worker threads; the profiler records only the threads
+    # that start it unless asked for all of them.
+    try:
+        extra = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):
+        extra = {}
     prof = profile(
         activities=acts,
         schedule=schedule(wait=max(0, skip - 1), warmup=min(1, skip), active=max(1, active), repeat=1),
         on_trace_ready=on_ready,
         record_shapes=False,
+        **extra,
     )
     prof.start()
     return prof

@@ -62,6 +62,15 @@ Pure Python: no ``torch.distributed``, no streams, no device. The planning is th
    exposed time = how much later the simulated next forward ends than ``backward + forward`` alone (waits
    plus contention slowdown). Step time = ``grad_accum * (forward + backward) + exposed``.
 
+[Note: what is guaranteed] With ``ns_interference = 0`` the model is monotone: overlap is never worse than no
+overlap, and more bandwidth never makes a step slower (both tested). With contention neither holds, and that
+is a prediction, not a bug: the domain runs the model in lock-step, so a layer is slowed by the *busiest* home's
+NS at that moment. LPT balances each home's NS over the step, not over each window of it, so when a wave puts
+one large matrix on some homes and small ones on others the whole domain pays the large one's time, wave
+after wave; the sum of these per-window maxima can exceed the per-home total that the non-overlapped step
+pays once (the 70B preset at ``ns_interference = 1`` shows it). Splitting large matrices' NS across homes or
+balancing NS per wave, not only per step, is what would remove it.
+
 For validation against a measurement, :meth:`SimConfig.from_measured` builds a config from measured per-layer
 forward / backward times, NS rate and link bandwidth (e.g. on a CPU/gloo run), and
 :attr:`SimResult.exposed_fraction_overlap` is the figure to compare with the measured exposed fraction that

@@ -1,0 +1,216 @@
+"""Invariants of the step simulator ``scheduler.simulate`` (pure Python, no process group)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+
+import pytest
+
+from scheduler.cost import ns_flops
+from scheduler.simulate import MODEL_PRESETS, SimConfig, SimResult, main, plan_question, simulate
+
+pytestmark = pytest.mark.timeout(60)
+
+# A small heterogeneous layer (attention-like and MLP-like shapes), so waves mix big and small NS jobs.
+_LAYER = ((512, 512), (128, 512), (128, 512), (512, 512), (1408, 512), (1408, 512), (512, 1408))
+
+
+def _small(**kw) -> SimConfig:
+    """12 layers of ``_LAYER``; per-layer times comparable to the optimizer's, so overlap matters."""
+    base = dict(
+        name="small",
+        layer_shapes=(_LAYER,) * 12,
+        layer_forward_s=(1e-3,) * 12,
+        layer_backward_s=(2e-3,) * 12,
+        tp_size=2,
+        remat_size=4,
+        ns_flops_per_s=2e12,
+        intra_node_bytes_per_s=50e9,
+        inter_node_bytes_per_s=5e9,
+        gpus_per_node=4,
+        collective_latency_s=10e-6,
+    )
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def _grid():
+    for (tp, remat), taper, fused, slots, accum in itertools.product(
+        [(1, 1), (2, 1), (2, 4), (4, 4)], [True, False], [True, False], [None, 5], [1, 3]
+    ):
+        yield dict(tp_size=tp, remat_size=remat, taper=taper, fused_a2a=fused, wave_slots=slots, grad_accum=accum)
+
+
+def test_overlap_never_worse_than_no_overlap():
+    for kw in _grid():
+        r = simulate(_small(**kw))
+        assert r.exposed_overlap_s <= r.exposed_no_overlap_s * (1 + 1e-9) + 1e-12, kw
+        assert r.step_overlap_s <= r.step_no_overlap_s * (1 + 1e-9) + 1e-12, kw
+        assert r.exposed_overlap_s >= 0 and r.exposed_no_overlap_s > 0, kw
+
+
+def test_more_bandwidth_never_slower():
+    for kw in itertools.islice(_grid(), 0, None, 3):
+        prev = None
+        for inter, intra in [(1e9, 10e9), (5e9, 10e9), (5e9, 50e9), (20e9, 50e9), (100e9, 400e9)]:
+            r = simulate(_small(inter_node_bytes_per_s=inter, intra_node_bytes_per_s=intra, **kw))
+            if prev is not None:
+                assert r.step_overlap_s <= prev.step_overlap_s * (1 + 1e-9), (kw, inter, intra)
+                assert r.step_no_overlap_s <= prev.step_no_overlap_s * (1 + 1e-9), (kw, inter, intra)
+                assert r.exchange_s <= prev.exchange_s * (1 + 1e-9), (kw, inter, intra)
+            prev = r
+
+
+@pytest.mark.parametrize("n_layers,slots", [(12, 8), (12, 7), (12, 84), (12, 1000), (3, 4), (1, 7)])
+def test_waves_without_taper_are_ceil_n_over_slots(n_layers, slots):
+    cfg = _small(layer_shapes=(_LAYER,) * n_layers, layer_forward_s=(1e-3,) * n_layers,
+                 layer_backward_s=(2e-3,) * n_layers, wave_slots=slots, taper=False)
+    r = simulate(cfg)
+    n = 7 * n_layers
+    assert r.num_matrices == n
+    assert r.num_waves == math.ceil(n / slots)
+    assert sum(r.wave_sizes) == n and max(r.wave_sizes) <= slots
+    assert r.collectives_per_step == 2 * r.num_waves  # fused, S > 1
+    two_stage = simulate(dataclasses.replace(cfg, fused_a2a=False))
+    assert two_stage.collectives_per_step == 4 * r.num_waves  # remat and TP stages, each direction
+
+
+def test_3000_matrices_on_1000_slots():
+    q = plan_question(3000, 1000)
+    assert q.num_waves == 3 and q.wave_sizes == (1000, 1000, 1000) and q.num_ranks == 1000
+    assert len(q.wave_ns_max_s) == 3 and all(m >= a > 0 for m, a in zip(q.wave_ns_max_s, q.wave_ns_mean_s))
+    assert q.load_max_over_mean >= 1.0
+    assert q.load_mean_s == pytest.approx(sum(q.wave_ns_mean_s))
+    tapered = plan_question(3000, 1000, taper=True)
+    assert tapered.wave_sizes == (250, 1000, 1000, 500, 250)
+    # Uniform shapes on as many homes as slots: every wave puts at most one matrix on a home.
+    u = plan_question(3000, 1000, shapes=[(4096, 4096)], ns_flops_per_s=1e12)
+    one = ns_flops((4096, 4096)) / 1e12
+    assert u.wave_ns_max_s == pytest.approx((one,) * 3) and u.load_max_over_mean == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="slots"):
+        plan_question(10, 0)
+
+
+def test_bounds_and_bookkeeping():
+    for kw in itertools.islice(_grid(), 0, None, 4):
+        cfg = _small(**kw)
+        r = simulate(cfg)
+        assert isinstance(r, SimResult)
+        S = cfg.domain_size
+        assert r.domain_size == S and r.num_gpus == S * cfg.dp_size
+        assert r.compute_s == pytest.approx(cfg.grad_accum * (0.012 + 0.024))
+        assert r.step_overlap_s == pytest.approx(r.compute_s + r.exposed_overlap_s)
+        assert r.step_no_overlap_s == pytest.approx(r.compute_s + r.exposed_no_overlap_s)
+        # Without overlap: every home's NS and every comm-lane item run after backward.
+        assert r.exposed_no_overlap_s >= r.ns_load_max_s * (1 - 1e-9)
+        comm_total = sum(w.to_home_s + w.from_home_s for w in r.waves)
+        assert r.exposed_no_overlap_s >= comm_total * (1 - 1e-9)
+        # With overlap: the last wave holds layer 0 and is launched when backward ends; the next forward
+        # cannot start before it has gone to its homes, through NS and back.
+        last = r.waves[-1]
+        assert last.first_layer == 0
+        assert last.launch_at_s == pytest.approx(r.backward_s)
+        assert r.exposed_overlap_s >= (last.to_home_s + last.ns_max_s + last.from_home_s) * (1 - 1e-9)
+        assert r.overlap_wait_s == pytest.approx(r.exposed_overlap_s)  # no contention by default
+        for w in r.waves:
+            assert w.launch_at_s <= w.to_home_end_s <= w.ns_end_s <= w.applied_at_s
+        assert r.ns_load_mean_s == pytest.approx(sum(w.ns_mean_s for w in r.waves))
+        assert r.ns_load_max_over_mean == pytest.approx(r.ns_load_max_s / r.ns_load_mean_s)
+
+
+def test_single_rank_domain_has_no_exchange():
+    r = simulate(_small(tp_size=1, remat_size=1, elementwise_bytes_per_s=None))
+    assert r.collectives_per_step == 0 and r.exchange_s == 0.0 and r.exchange_bytes_per_rank == 0.0
+    assert r.ns_load_max_over_mean == pytest.approx(1.0)
+    # Without overlap the optimizer is exactly the NS of all matrices, back to back on the one home.
+    total = sum(ns_flops(s) for s in _LAYER) * 12 / 2e12
+    assert r.exposed_no_overlap_s == pytest.approx(total)
+
+
+def test_contention_is_accounted():
+    """With NS sharing the GPU the overlapped step pays a slowdown; no contention means none."""
+    free = simulate(_small())
+    shared = simulate(_small(ns_interference=1.0))
+    assert free.overlap_slowdown_s == 0.0
+    assert shared.overlap_slowdown_s > 0.0
+    assert shared.exposed_overlap_s >= free.exposed_overlap_s * (1 - 1e-9)
+    # Without overlap the main thread is idle while the optimizer runs: contention changes nothing.
+    assert shared.exposed_no_overlap_s == pytest.approx(free.exposed_no_overlap_s)
+
+
+def test_from_measured_and_presets():
+    shapes = [[(64, 64), (64, 256), (256, 64)]] * 4
+    cfg = SimConfig.from_measured(
+        layer_shapes=shapes,
+        layer_forward_s=[2e-3] * 4,
+        layer_backward_s=[4e-3] * 4,
+        ns_flops_per_s=5e10,
+        link_bytes_per_s=1e9,
+        tp_size=1,
+        remat_size=2,
+        collective_latency_s=1e-4,
+    )
+    assert cfg.intra_node_bytes_per_s == cfg.inter_node_bytes_per_s == 1e9 and cfg.elementwise_bytes_per_s is None
+    r = simulate(cfg)
+    assert r.num_matrices == 12 and 0.0 <= r.exposed_fraction_overlap <= r.exposed_fraction_no_overlap < 1.0
+    fast = simulate(dataclasses.replace(cfg, ns_flops_per_s=1e15, collective_latency_s=0.0,
+                                        intra_node_bytes_per_s=1e15, inter_node_bytes_per_s=1e15))
+    assert fast.exposed_overlap_s < 1e-6
+
+    for name, m in MODEL_PRESETS.items():
+        assert m.name == name and len(m.layer_matrices()) == 7 and m.source
+    c8 = SimConfig.for_model("llama3-8b", tp_size=2, remat_size=2, dp_size=4)
+    assert c8.num_gpus == 16 and len(c8.layer_shapes) == 32
+    assert c8.layer_shapes[0] == ((4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
+                                  (14336, 4096), (14336, 4096), (4096, 14336))
+    assert c8.layer_backward_s[0] == pytest.approx(2 * c8.layer_forward_s[0])
+    assert c8.layer_forward_s[-1] > c8.layer_forward_s[0]  # the output head is folded into the last layer
+
+
+def test_70b_on_1024_gpus_headline():
+    cfg = SimConfig.for_model("llama3-70b", tp_size=8, remat_size=8, dp_size=16)
+    r = simulate(cfg)
+    assert r.num_gpus == 1024 and r.domain_size == 64 and r.num_matrices == 560
+    assert r.exposed_overlap_s < r.exposed_no_overlap_s
+    assert 1.0 <= r.ns_load_max_over_mean < 4.0 / 3.0  # LPT's bound (Graham)
+    # One direction moves (1 - 1/S) of every bf16 shard: the brief's 2*(1-1/S)*shard bytes, summed.
+    params = sum(p * q for layer in cfg.layer_shapes for p, q in layer)
+    assert r.exchange_bytes_per_rank == pytest.approx(2 * (1 - 1 / 64) * params / 64)
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="layer_forward_s"):
+        _small(layer_forward_s=(1e-3,) * 11)
+    with pytest.raises(ValueError, match="tp_size"):
+        _small(tp_size=0)
+    with pytest.raises(ValueError, match="ns_interference"):
+        _small(ns_interference=1.5)
+    with pytest.raises(ValueError, match=r"layer_shapes\[0\]\[1\]"):
+        _small(layer_shapes=(((4, 4), (4, -1)),) + (_LAYER,) * 11)
+    with pytest.raises(ValueError, match="balance"):
+        _small(balance="greedy")
+    with pytest.raises(ValueError, match="unknown model"):
+        SimConfig.for_model("gpt-5", tp_size=1, remat_size=1, dp_size=1)
+    with pytest.raises(TypeError):
+        simulate({"tp_size": 1})
+
+
+def test_cli_table_json_and_question(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["--model", "llama3-8b", "--tp", "2", "--remat", "2", "--dp", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "without overlap" in text and "with overlap" in text and "waves:" in text
+    doc = json.loads(out.read_text())
+    assert doc["result"]["num_matrices"] == 224 and doc["config"]["tp_size"] == 2
+
+    assert main(["--matrices", "3000", "--slots", "1000", "--shape", "1024x4096"]) == 0
+    text = capsys.readouterr().out
+    assert "taper=False: 3 waves" in text
+
+    assert main(["--shapes", "256x256,512x256", "--layers", "3", "--tp", "2", "--remat", "1", "--dp", "1",
+                 "--global-batch-tokens", "4096"]) == 0
+    assert "6 Muon matrices" in capsys.readouterr().out
+    assert main(["--tp", "0"]) == 2

@@ -29,7 +29,10 @@ def _schedule(ns_coefficients: Coefficients, ns_steps: int) -> list[tuple[float,
     coeffs = tuple(ns_coefficients)
     if len(coeffs) == 3 and all(isinstance(c, (int, float)) for c in coeffs):
         return [tuple(float(c) for c in coeffs)] * ns_steps  # type: ignore[list-item]
-    steps = [tuple(s) for s in coeffs]
+    try:
+        steps = [tuple(s) for s in coeffs]
+    except TypeError:
+        steps = []
     if not steps or any(len(s) != 3 for s in steps):
         raise ValueError(
             f"ns_coefficients must be (a, b, c) or a sequence of per-step (a, b, c) tuples, got {ns_coefficients!r}"

@@ -29,7 +29,9 @@ threads, so a trace must be captured with
 ``experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`` (torch >= 2.7;
 checked on torch 2.13 CPU) for the ``comm`` / ``compute`` rows to appear. Without it only ``main`` is drawn
 and a warning is printed. On CUDA the lanes come from the ``gpu_user_annotation`` ranges torch projects onto
-each stream, so the kernels' real timing is drawn, not their launch.
+each stream, so the kernels' real timing is drawn, not their launch; the exposed time is still read from the
+main *thread*, so a wait that is only a stream dependency (``wait_event``) and never blocks the host is not
+in it (the CUDA path is checked on hand-built traces only, not on a GPU capture).
 
 Only the standard library and matplotlib (Agg backend) are used; the trace may be ``.json`` or ``.json.gz``.
 """
@@ -227,7 +229,8 @@ def draw_timeline(trace_path: str, out_png: str) -> TimelineSummary:
     # --- the main thread: the CPU thread holding the most step / forward / backward / optimizer ranges.
     marker_count: dict[tuple[Any, Any], int] = defaultdict(int)
     for r in events:
-        if not _is_gpu(r) and (_STEP_RE.match(r.name) or _main_category(r.name) in ("forward", "backward", "optimizer")):
+        marker = _STEP_RE.match(r.name) or _main_category(r.name) in ("forward", "backward", "optimizer")
+        if marker and not _is_gpu(r):
             marker_count[(r.pid, r.tid)] += 1
     phase_events = [(r, _PHASE_RE.match(r.name)) for r in events]
     phase_events = [(r, m) for r, m in phase_events if m]
@@ -355,13 +358,15 @@ def _draw(
 
     bars(0, step_ranges, _STEP_COLOR, height=0.95)
     for cat in ("forward", "backward", "optimizer", "wait"):
-        bars(0, [(r.start, r.end) for r, c in main_cat if c == cat], _MAIN_COLORS[cat], height=0.8 if cat != "wait" else 0.5)
+        items = [(r.start, r.end) for r, c in main_cat if c == cat]
+        bars(0, items, _MAIN_COLORS[cat], height=0.8 if cat != "wait" else 0.5)
 
     labels_left = _MAX_LABELS
     for row, key in enumerate(lane_keys, start=1):
         items = by_lane[key]
         for phase in _PHASES:
-            bars(row, [(r.start, r.end) for r, _, p in items if p == phase], _PHASE_COLORS[phase], edgecolor="white", linewidth=0.3)
+            spans = [(r.start, r.end) for r, _, p in items if p == phase]
+            bars(row, spans, _PHASE_COLORS[phase], edgecolor="white", linewidth=0.3)
         for r, k, _ in items:
             width_ms = (r.end - r.start) / 1e3
             if labels_left > 0 and width_ms >= _LABEL_MIN_FRACTION * span_ms:
@@ -377,7 +382,14 @@ def _draw(
     handles = [Patch(facecolor=_STEP_COLOR, label="ProfilerStep")]
     handles += [Patch(facecolor=c, label=n) for n, c in _MAIN_COLORS.items()]
     handles += [Patch(facecolor=c, label=n) for n, c in _PHASE_COLORS.items()]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if n_rows > 2 else -0.3), ncol=len(handles), fontsize=8, frameon=False)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18 if n_rows > 2 else -0.3),
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     parent = os.path.dirname(os.path.abspath(out_png))
     os.makedirs(parent, exist_ok=True)

@@ -189,7 +189,8 @@ def _pos_int(name: str, v: Any) -> None:
 
 
 def _pos_float(name: str, v: Any, allow_zero: bool = False) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+    bad = isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+    if bad or v < 0 or (v == 0 and not allow_zero):
         raise ValueError(f"SimConfig.{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {v!r}")
 
 
@@ -328,8 +329,14 @@ class SimConfig:
             if model not in MODEL_PRESETS:
                 raise ValueError(f"unknown model {model!r}; presets: {sorted(MODEL_PRESETS)}")
             model = MODEL_PRESETS[model]
-        for fname, v in (("tp_size", tp_size), ("remat_size", remat_size), ("dp_size", dp_size),
-                         ("grad_accum", grad_accum), ("seq_len", seq_len), ("global_batch_tokens", global_batch_tokens)):
+        for fname, v in (
+            ("tp_size", tp_size),
+            ("remat_size", remat_size),
+            ("dp_size", dp_size),
+            ("grad_accum", grad_accum),
+            ("seq_len", seq_len),
+            ("global_batch_tokens", global_batch_tokens),
+        ):
             _pos_int(fname, v)
         _pos_float("matmul_flops_per_s", matmul_flops_per_s)
         tokens = global_batch_tokens / (remat_size * dp_size * grad_accum)
@@ -978,7 +985,8 @@ def _format_result(cfg: SimConfig, r: SimResult, max_wave_rows: int = 12) -> str
         f"{_ms(r.overlap_slowdown_s).strip()} contention; step speed-up x{r.speedup:.3f})",
         "",
         "overlapped run, per wave (times since the last backward started):",
-        f"{'wave':>5}{'mats':>6}{'layers':>10}{'NS max':>12}{'to-home':>12}{'launch':>12}{'NS done':>12}{'applied':>12}",
+        f"{'wave':>5}{'mats':>6}{'layers':>10}{'NS max':>12}{'to-home':>12}{'launch':>12}{'NS done':>12}"
+        f"{'applied':>12}",
     ]
     rows = list(r.waves)
     if len(rows) > max_wave_rows:
@@ -1002,7 +1010,8 @@ def _format_question(qs: list[WaveQuestion]) -> str:
     for q in qs:
         lines.append(
             f"  taper={q.taper!s:5}: {q.num_waves} waves, sizes {list(q.wave_sizes)}; per-wave NS per home max "
-            f"{[round(1e3 * x, 2) for x in q.wave_ns_max_s]} ms, mean {[round(1e3 * x, 2) for x in q.wave_ns_mean_s]} ms; "
+            f"{[round(1e3 * x, 2) for x in q.wave_ns_max_s]} ms, "
+            f"mean {[round(1e3 * x, 2) for x in q.wave_ns_mean_s]} ms; "
             f"step load max {1e3 * q.load_max_s:.2f} ms, mean {1e3 * q.load_mean_s:.2f} ms, "
             f"max/mean {q.load_max_over_mean:.3f}"
         )
@@ -1017,26 +1026,26 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Every modelling assumption is listed in the module docstring (pydoc scheduler.simulate).",
     )
     ap.add_argument("--model", default="llama3-70b", choices=sorted(MODEL_PRESETS), help="model preset (%(default)s)")
-    ap.add_argument("--shapes", help="custom layer shapes: a JSON file [[[P,Q],...],...] or inline PxQ,PxQ,... for one layer")
-    ap.add_argument("--layers", type=int, default=1, help="with inline --shapes: number of identical layers (%(default)s)")
+    ap.add_argument("--shapes", help="layer shapes: a JSON file [[[P,Q],...],...] or inline PxQ,PxQ,... (one layer)")
+    ap.add_argument("--layers", type=int, default=1, help="with inline --shapes: identical layers (%(default)s)")
     ap.add_argument("--tp", type=int, default=8, help="TP size (%(default)s)")
     ap.add_argument("--remat", type=int, default=8, help="GTP_remat size (%(default)s)")
     ap.add_argument("--dp", type=int, default=16, help="data-parallel replicas of the domain (%(default)s)")
-    ap.add_argument("--global-batch-tokens", type=int, default=2**22, help="tokens per step, all replicas (%(default)s)")
+    ap.add_argument("--global-batch-tokens", type=int, default=2**22, help="tokens per step in all (%(default)s)")
     ap.add_argument("--seq-len", type=int, default=8192, help="sequence length (%(default)s)")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (%(default)s)")
-    ap.add_argument("--matmul-flops", type=float, default=700e12, help="achievable bf16 matmul FLOP/s per GPU (%(default)g)")
+    ap.add_argument("--matmul-flops", type=float, default=700e12, help="bf16 matmul FLOP/s per GPU (%(default)g)")
     ap.add_argument("--ns-flops", type=float, default=None, help="NS FLOP/s per GPU (default: --matmul-flops)")
     ap.add_argument("--intra-bw", type=float, default=400e9, help="intra-node B/s per GPU per direction (%(default)g)")
     ap.add_argument("--inter-bw", type=float, default=50e9, help="inter-node B/s per GPU (%(default)g)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="(%(default)s)")
     ap.add_argument("--latency", type=float, default=20e-6, help="seconds per all_to_all (%(default)g)")
-    ap.add_argument("--elementwise-bw", type=float, default=4.0e12, help="B/s for pack/apply; 0 leaves them out (%(default)g)")
+    ap.add_argument("--elementwise-bw", type=float, default=4.0e12, help="pack/apply B/s; 0: left out (%(default)g)")
     ap.add_argument("--wave-slots", type=int, default=None, help="max matrices per wave (default: domain size)")
     ap.add_argument("--balance", default="lpt", choices=("lpt", "round_robin"))
     ap.add_argument("--no-taper", action="store_true", help="plain waves (no shrinking of the last two)")
     ap.add_argument("--two-stage", action="store_true", help="two-stage all_to_all (remat group, then TP group)")
-    ap.add_argument("--ns-interference", type=float, default=0.0, help="NS / training compute contention in [0, 1] (%(default)g)")
+    ap.add_argument("--ns-interference", type=float, default=0.0, help="NS/model contention, 0..1 (%(default)g)")
     ap.add_argument("--matrices", type=int, help="answer 'N matrices on K slots' (with --slots) instead of simulating")
     ap.add_argument("--slots", type=int, help="K for --matrices")
     ap.add_argument("--shape", help="with --matrices: one PxQ for every matrix (default: the model's layer, cycled)")
@@ -1080,7 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.shapes:
             layer_shapes = _parse_shapes(args.shapes, args.layers)
             tokens = args.global_batch_tokens / (args.remat * args.dp * args.grad_accum)
-            fwd = tuple(2.0 * sum(p * q for p, q in layer) * tokens / (args.tp * args.matmul_flops) for layer in layer_shapes)
+            per_flop = tokens / (args.tp * args.matmul_flops)
+            fwd = tuple(2.0 * sum(p * q for p, q in layer) * per_flop for layer in layer_shapes)
             cfg = SimConfig(name="custom", layer_shapes=layer_shapes, layer_forward_s=fwd,
                             layer_backward_s=tuple(2 * f for f in fwd), tp_size=args.tp, remat_size=args.remat,
                             dp_size=args.dp, grad_accum=args.grad_accum, **common)

@@ -181,7 +181,8 @@ def test_exposed_time_exact_on_handmade_trace(tmp_path, capsys):
 @pytest.mark.timeout(30)
 def test_trace_without_steps_or_lanes_and_bad_files(tmp_path):
     trace = tmp_path / "plain.json"
-    trace.write_text(json.dumps({"traceEvents": [_x("## forward ##", 7, 0, 2000), _x("## optimizer ##", 7, 2000, 500)]}))
+    events = [_x("## forward ##", 7, 0, 2000), _x("## optimizer ##", 7, 2000, 500)]
+    trace.write_text(json.dumps({"traceEvents": events}))
     s = draw_timeline(str(trace), str(tmp_path / "plain.png"))
     assert s.lanes == ("main",) and s.num_waves == 0 and s.num_steps == 1
     assert s.exposed_ms == pytest.approx((0.5,)) and s.exposed_fraction == pytest.approx((0.2,))
@@ -195,3 +196,21 @@ def test_trace_without_steps_or_lanes_and_bad_files(tmp_path):
     empty.write_text(json.dumps({"traceEvents": []}))
     with pytest.raises(ValueError, match="no complete"):
         draw_timeline(str(empty), str(tmp_path / "empty.png"))
+
+
+@pytest.mark.timeout(30)
+def test_cuda_trace_uses_stream_lanes(tmp_path):
+    """On CUDA the wave ranges are drawn from their GPU projections (one lane per stream), not the CPU launches."""
+    ev = [_x("ProfilerStep#0", 1, 0, 10_000), _x("## backward ##", 1, 0, 6000), _x("## optimizer ##", 1, 6000, 300)]
+    for k in range(3):
+        w = 1000.0 + 1500 * k
+        for phase, stream, a, d in (("pack", 7, 0, 100), ("a2a_to_home", 7, 100, 300), ("ns", 13, 400, 500),
+                                    ("a2a_from_home", 20, 900, 300), ("apply", 20, 1200, 100)):
+            ev.append(_x(f"OverlapMuon::wave{k}::{phase}", 1, w + a, 5))  # the CPU-side launch, on the main thread
+            ev.append(_x(f"OverlapMuon::wave{k}::{phase}", stream, w + a + 20, d, cat="gpu_user_annotation", pid=0))
+    trace = tmp_path / "cuda.json"
+    trace.write_text(json.dumps({"traceEvents": ev}))
+    s = draw_timeline(str(trace), str(tmp_path / "cuda.png"))
+    assert s.lanes == ("main", "comm: to_home (stream 7)", "compute (stream 13)", "comm: from_home (stream 20)")
+    assert s.num_waves == 3 and all(n == 3 for n in s.phase_counts.values())
+    assert s.exposed_ms == pytest.approx((0.3,))

@@ -32,9 +32,10 @@ class GradReadyTracker:
     ``Variable._execution_engine.queue_callback`` once the current graph task has finished (this is how DDP
     and FSDP finalize). The first hook that fires in a graph task queues it; the graph task id
     (``torch._C._current_graph_task_id``) tells "first in this backward" apart, so an aborted backward cannot
-    leave a stale "already queued" flag. Limitation: with reentrant activation checkpointing
-    (``use_reentrant=True``) the hooks of params inside a checkpointed region run in a nested graph task and the
-    callback fires at the end of that nested task; use ``use_reentrant=False``.
+    leave a stale "already queued" flag. With reentrant activation checkpointing (``use_reentrant=True``) the
+    hooks of params inside a checkpointed region run in a nested graph task; its end is not the end of backward
+    (the engine still reports the enclosing checkpoint node as the current node), so it is ignored and the
+    outermost graph task's end fires ``on_backward_end``.
 
     Args:
         params: the params to watch; index ``i`` is the position in this sequence. A tensor listed twice (tied
@@ -101,7 +102,16 @@ class GradReadyTracker:
             if self._queued_task == task:
                 return
             self._queued_task = task
-        Variable._execution_engine.queue_callback(self._on_backward_end)
+        Variable._execution_engine.queue_callback(self._end_of_graph_task)
+
+    def _end_of_graph_task(self) -> None:
+        # A reentrant checkpoint runs a nested backward inside an outer node; its graph task ends while the outer
+        # backward still has gradients to produce. There the engine still reports the outer node as current, so
+        # only the outermost graph task's end counts as "end of backward".
+        if torch._C._current_autograd_node() is not None:
+            return
+        assert self._on_backward_end is not None
+        self._on_backward_end()
 
     @property
     def num_hooks(self) -> int:

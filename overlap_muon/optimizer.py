@@ -96,6 +96,10 @@ class OverlapMuon(torch.optim.Optimizer):
             ``None`` takes the environment variable or the default (``overlap_muon.config``).
         readiness_order: ``"reverse"`` (reverse registration order, how backward usually produces gradients)
             or ``"observed"`` (rank 0's order observed in the first step, broadcast, then fixed).
+        skip_nonfinite: when True, a step in which any Muon gradient on any rank is non-finite is skipped on every
+            rank (params, momentum and AdamW untouched; ``stats["skipped_steps"]`` counts them). Costs one
+            all-reduce of a flag per step and moves each wave's apply after ``step()``. Off by default, which
+            matches ``torch.optim.Muon`` (NaNs propagate).
         ns_delay_s: test hook: seconds slept before each NS task (makes overlap observable on CPU).
 
     Raises:
@@ -132,6 +136,7 @@ class OverlapMuon(torch.optim.Optimizer):
         nvtx: bool | None = None,
         pg_timeout_s: float | None = None,
         readiness_order: str = "reverse",
+        skip_nonfinite: bool = False,
         ns_delay_s: float = 0.0,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -251,6 +256,8 @@ class OverlapMuon(torch.optim.Optimizer):
         self._lanes = Lanes(self._device(), side_streams=self.config.side_streams, delay_s=ns_delay_s)
         self._handles: dict[int, LaneHandle] = {}  # wave index -> its final (apply) task, this step
         self._inflight: list[LaneHandle] = []  # every task launched and not yet waited for
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self._staged: list[tuple[int, LaneHandle, LaneHandle, Callable]] = []  # skip_nonfinite: applies awaiting the verdict
         self._route_plans: dict[Any, dict] = {}
         self._lock = threading.RLock()
         self._accumulating = False
@@ -505,40 +512,72 @@ class OverlapMuon(torch.optim.Optimizer):
         nv = self.config.nvtx
         dom_to, dom_from = self._dom_to, self._dom_from
 
-        def to_home_task() -> tuple[list[Tensor], list[Tensor], list[int]]:
+        staged = self.skip_nonfinite  # apply only after the step's finiteness verdict (see step())
+
+        def exchange(phase: str, dom: Domain, fn: Callable[[], Any]) -> Any:
+            # Name the exchange in the error: a dead or stuck peer shows up here as a gloo/NCCL error or timeout.
+            try:
+                return fn()
+            except Exception as e:
+                raise RuntimeError(
+                    f"OverlapMuon wave {k} {phase} failed on rank {self._rank} "
+                    f"({'fused' if fused else 'two-stage'} {'all_gather' if duplicated else 'all_to_all'} over the "
+                    f"runtime's {self._group_desc(dom)}; params {[m.name for m in mps]}): {e}"
+                ) from e
+
+        def to_home_task() -> tuple[list[Tensor], list[Tensor], list[int], list[Tensor]]:
             with prof_range(wave_range_name(k, "pack"), nvtx=nv):
-                packed = []
+                packed, new_bufs = [], []
                 for g, buf in zip(grads, bufs):
-                    buf.lerp_(g, 1 - mu)
+                    if staged:  # out of place: a skipped step must leave the momentum untouched
+                        buf = buf.lerp(g, 1 - mu)
+                        new_bufs.append(buf)
+                    else:
+                        buf.lerp_(g, 1 - mu)
                     u = g.lerp(buf, mu) if nesterov else buf
                     packed.append(u.bfloat16())
             with prof_range(wave_range_name(k, "a2a_to_home"), nvtx=nv):
                 if duplicated:
-                    fulls = all_gather_full(packed, pds, shapes, dom_to)
+                    fulls = exchange("a2a_to_home", dom_to, lambda: all_gather_full(packed, pds, shapes, dom_to))
                     mine = list(range(len(items)))
                 else:
-                    fulls, mine = to_homes(packed, homes, pds, shapes, dom_to, fused=fused, plan=plan_to)
-            return packed, fulls, mine
+                    fulls, mine = exchange(
+                        "a2a_to_home",
+                        dom_to,
+                        lambda: to_homes(packed, homes, pds, shapes, dom_to, fused=fused, plan=plan_to),
+                    )
+            return packed, fulls, mine, new_bufs
 
         def ns_task() -> list[Tensor]:
-            _, fulls, _ = h_to.result()
+            fulls = h_to.result()[1]
             self._record("ns_start", k)
             with prof_range(wave_range_name(k, "ns"), nvtx=nv):
                 return self._ns_many(fulls, ns_kw)
 
-        def from_home_task() -> None:
-            packed, _, mine = h_to.result()
+        def apply(shards: list[Tensor], new_bufs: list[Tensor]) -> None:
+            with prof_range(wave_range_name(k, "apply"), nvtx=nv):
+                for j, (m, o) in enumerate(zip(mps, shards)):
+                    if new_bufs:
+                        bufs[j].copy_(new_bufs[j])
+                    p = _local(m.param)
+                    p.mul_(1 - lr * wd)
+                    p.add_(o, alpha=-adjusted_lr(lr, adj, m.full_shape))
+
+        def from_home_task() -> list[Tensor]:
+            packed, _, mine, new_bufs = h_to.result()
             outs = h_ns.result()
             with prof_range(wave_range_name(k, "a2a_from_home"), nvtx=nv):
                 if duplicated:
                     shards = [local_shard(o, pd, dom_to) for o, pd in zip(outs, pds)]
                 else:
-                    shards = from_homes(outs, mine, packed, homes, pds, shapes, dom_from, fused=fused, plan=plan_from)
-            with prof_range(wave_range_name(k, "apply"), nvtx=nv):
-                for m, o in zip(mps, shards):
-                    p = _local(m.param)
-                    p.mul_(1 - lr * wd)
-                    p.add_(o, alpha=-adjusted_lr(lr, adj, m.full_shape))
+                    shards = exchange(
+                        "a2a_from_home",
+                        dom_from,
+                        lambda: from_homes(outs, mine, packed, homes, pds, shapes, dom_from, fused=fused, plan=plan_from),
+                    )
+            if not staged:
+                apply(shards, new_bufs)
+            return shards
 
         h_to = self._lanes.submit("to_home", to_home_task)
         h_ns = self._lanes.submit("compute", ns_task, deps=[h_to])
@@ -546,6 +585,34 @@ class OverlapMuon(torch.optim.Optimizer):
         with self._lock:
             self._handles[k] = h_from
             self._inflight.extend([h_to, h_ns, h_from])
+            if staged:
+                self._staged.append((k, h_to, h_from, apply))
+
+    def _commit_staged(self, ok: bool) -> None:
+        """skip_nonfinite: after the verdict, queue each staged wave's apply (or drop it) on the from_home lane."""
+        with self._lock:
+            staged, self._staged = self._staged, []
+        for k, h_to, h_from, apply in staged:
+            if not ok:
+                continue
+
+            def task(h_to: LaneHandle = h_to, h_from: LaneHandle = h_from, apply: Callable = apply) -> None:
+                apply(h_from.result(), h_to.result()[3])
+
+            h = self._lanes.submit("from_home", task, deps=[h_from])
+            with self._lock:
+                self._handles[k] = h
+                self._inflight.append(h)
+
+    def _group_desc(self, dom: Domain) -> str:
+        if self.config.fused_a2a or self.config.mode == "duplicated":
+            g = dom.flat_group
+            what = "flat R x T group"
+        else:
+            g = dom.remat_group or dom.tp_group
+            what = "remat/TP groups"
+        ranks = dist.get_process_group_ranks(g) if g is not None else [self._rank]
+        return f"{what} {dom.remat_size}x{dom.tp_size}, global ranks {ranks}"
 
     def _ns_many(self, mats: list[Tensor], ns_kw: dict[str, Any]) -> list[Tensor]:
         """NS of each matrix, same-shape matrices batched (no flattening across matrices)."""
@@ -609,8 +676,15 @@ class OverlapMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._accumulating = False
+        ok = True
+        if self.skip_nonfinite:
+            ok = self._all_finite()
+            if not ok:
+                self.stats["skipped_steps"] += 1
         self._dispatcher.flush()
-        if self._adamw is not None:
+        if self.skip_nonfinite:
+            self._commit_staged(ok)
+        if self._adamw is not None and ok:
             self._adamw.step()
         if self._recorder is not None and self._step_count == 0:
             self._adopt_observed_order()
@@ -631,6 +705,16 @@ class OverlapMuon(torch.optim.Optimizer):
         for h, d in flags:
             if d:
                 self._wait_handle(h)
+
+    def _all_finite(self) -> bool:
+        """True when every Muon gradient on every rank is finite: one all-reduce of a flag on the control group."""
+        bad = any(
+            m.param.grad is not None and not bool(torch.isfinite(_local(m.param.grad)).all()) for m in self._muon
+        )
+        flag = torch.tensor([1.0 if bad else 0.0], device=self._device() if self._device().type == "cuda" else "cpu")
+        if self._ctrl_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ctrl_group)
+        return flag.item() == 0.0
 
     def synchronize(self) -> None:
         """Block until every launched wave has been applied (host waits; on CUDA the device too).
@@ -681,15 +765,66 @@ class OverlapMuon(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """Waits for in-flight waves, then ``Optimizer.state_dict()`` (Muon momentum stays sharded, as the
-        params are: a DTensor param's momentum is a DTensor with the same placements)."""
+        """Waits for in-flight waves, then ``Optimizer.state_dict()``.
+
+        Muon momentum stays sharded as the params are (a DTensor param's momentum is a DTensor with the same
+        placements; a plain param's is its local block). Every Muon param has a momentum buffer from
+        construction on, so every rank holds the same keys. An ``"overlap_muon"`` entry records the param names
+        and shapes that :meth:`load_state_dict` checks.
+        """
         self.synchronize()
-        return super().state_dict()
+        sd = super().state_dict()
+        sd["overlap_muon"] = {
+            "muon_params": [(m.name, list(m.full_shape), m.partition_dim) for m in self._muon],
+            "num_adamw_params": sum(len(g["params"]) for g in self.param_groups[1:]),
+        }
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Waits for in-flight waves, then loads; the inner AdamW keeps sharing the loaded state and groups."""
+        """Waits for in-flight waves, checks the checkpoint fits, then loads (the inner AdamW keeps sharing the
+        loaded state and groups).
+
+        Raises:
+            ValueError: the checkpoint's Muon param names, full shapes, partition dims or group sizes differ from
+                this optimizer's, or a momentum buffer's shape differs from its param's. Nothing is changed then.
+        """
         self.synchronize()
-        super().load_state_dict(state_dict)
+        errors = []
+        meta = state_dict.get("overlap_muon")
+        if meta is not None:
+            mine = [(m.name, list(m.full_shape), m.partition_dim) for m in self._muon]
+            theirs = [tuple(x) if not isinstance(x, tuple) else x for x in meta["muon_params"]]
+            theirs = [(n, list(s), d) for n, s, d in theirs]
+            if theirs != mine:
+                diff = [f"{a} vs {b}" for a, b in zip(theirs, mine) if a != b][:3]
+                errors.append(
+                    f"checkpoint has {len(theirs)} Muon params, this optimizer {len(mine)}; first differences "
+                    f"(checkpoint vs this): {diff or 'lengths differ'}"
+                )
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups):
+            errors.append(f"checkpoint has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        else:
+            for gi, (a, b) in enumerate(zip(groups, self.param_groups)):
+                if len(a["params"]) != len(b["params"]):
+                    errors.append(f"param group {gi} has {len(a['params'])} params in the checkpoint, {len(b['params'])} here")
+        if not errors:
+            ids = [i for g in groups for i in g["params"]]
+            params = [p for g in self.param_groups for p in g["params"]]
+            by_id = dict(zip(ids, params))
+            names = {id(m.param): m.name for m in self._muon}
+            for pid, st in state_dict.get("state", {}).items():
+                p = by_id.get(pid)
+                buf = st.get("momentum_buffer") if isinstance(st, dict) else None
+                if p is not None and buf is not None and tuple(buf.shape) != tuple(p.shape):
+                    errors.append(
+                        f"momentum of Muon param {names.get(id(p), pid)!r} has shape {tuple(buf.shape)} in the "
+                        f"checkpoint, expected {tuple(p.shape)}"
+                    )
+        if errors:
+            raise ValueError("OverlapMuon.load_state_dict: checkpoint does not fit; nothing loaded: " + "; ".join(errors))
+        sd = {k: v for k, v in state_dict.items() if k != "overlap_muon"}
+        super().load_state_dict(sd)
         self._link_adamw()
 
     def close(self) -> None:

@@ -1,0 +1,114 @@
+"""The benchmark suite runs from a clean checkout and reports what it promises; no speed is asserted.
+
+One quick run of a subset of cases (``step``, ``ns``, ``comm``, ``balance``) is shared by the tests below; the
+``comm`` figures are exact byte counts, so they are compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from overlap_muon import bench
+
+_SUBSET = ("step", "ns", "comm", "balance")
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("bench") / "quick.json"
+    rc = bench.main(["--quick", "--repeats", "2", "--cases", ",".join(_SUBSET), "--json", str(path),
+                     "--timeout", "90"])
+    assert rc == 0
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.timeout(120)
+def test_quick_json_has_every_ratio_and_the_machine(quick_report):
+    m = quick_report["machine"]
+    for key in ("cpu_model", "logical_cpus", "usable_cpus", "torch"):
+        assert m[key], key
+    assert quick_report["quick"] is True
+    for case in _SUBSET:
+        ratios = quick_report["cases"][case]["ratios"]
+        for key in bench.expected_ratio_keys(case):
+            assert ratios.get(key) is not None, f"{case}.{key}"
+            assert quick_report["ratios"][f"{case}.{key}"] == ratios[key]
+        assert quick_report["cases"][case]["elapsed_s"] >= 0
+
+
+@pytest.mark.timeout(120)
+def test_comm_fused_bytes_equal_the_ideal_formula_exactly(quick_report):
+    """Fused layer-sharded routing is pure data movement: each non-home shard goes to its home once and each block
+    comes back once, so the bytes leaving a rank average exactly ``2 * (1 - 1/S) * shard_bytes``."""
+    det = quick_report["cases"]["comm"]["details"]
+    S = det["R"] * det["T"]
+    shard = det["shard_bytes_per_rank"]
+    fused = det["fused"]
+    # Integer form of mean(sent) == 2 * (S - 1) / S * mean(shard_bytes).
+    assert sum(fused["sent_bytes_per_rank_per_step"]) * S == 2 * (S - 1) * sum(shard)
+    assert fused["mean_sent_bytes"] == det["ideal_bytes_per_rank_per_step"]
+    assert quick_report["cases"]["comm"]["ratios"]["fused_bytes_over_ideal"] == 1.0
+    assert fused["collectives_per_step"] == 2  # one all_to_all_single each way (one wave, overlap off)
+    # Two-stage relays rows through the home's remat row: (2 - 1/R - 1/T) / (1 - 1/(R*T)) of the ideal (4/3 on
+    # 2x2); duplicated sends S - 1 copies of every shard and nothing back: S / 2 of the ideal.
+    R, T = det["R"], det["T"]
+    two = sum(det["two_stage"]["sent_bytes_per_rank_per_step"])
+    assert two * (R * T - 1) == sum(fused["sent_bytes_per_rank_per_step"]) * (2 * R * T - R - T)
+    dup = sum(det["duplicated"]["sent_bytes_per_rank_per_step"])
+    assert dup * 2 == sum(fused["sent_bytes_per_rank_per_step"]) * S
+    assert det["duplicated"]["collectives_per_step"] == det["matrices"]
+
+
+@pytest.mark.timeout(120)
+def test_balance_lpt_never_worse_than_round_robin(quick_report):
+    ratios = quick_report["cases"]["balance"]["ratios"]
+    keys = [k for k in ratios if k.endswith("_lpt_max_over_mean")]
+    assert len(keys) == 9  # 3 model families x 3 domain sizes
+    for k in keys:
+        lpt, rr = ratios[k], ratios[k.replace("_lpt_", "_rr_")]
+        assert 1.0 <= lpt <= rr, k
+
+
+@pytest.mark.timeout(120)
+def test_step_runs_ns_once_per_matrix_when_layer_sharded(quick_report):
+    det = quick_report["cases"]["step"]["details"]
+    n = det["matrices"]
+    assert sum(det["ns_matrices_per_rank_per_step"]["layer_sharded"]) == n
+    assert det["ns_matrices_per_rank_per_step"]["duplicated"] == [n] * det["world"]
+
+
+def test_bad_arguments_name_the_problem(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "step,nope"])
+    assert "nope" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="nope"):
+        bench.expected_ratio_keys("nope")
+
+
+def test_py_spy_missing_says_so(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    opts = bench._Options(quick=True, repeats=None, baseline=True, trace_dir=str(tmp_path), timeout_s=10.0)
+    out = bench._py_spy(opts)
+    assert out["ok"] is False
+    assert "py-spy is not installed" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_module_entry_point_runs(tmp_path):
+    """``python -m overlap_muon.bench`` (what the console script wraps) runs a planning-only case and writes JSON."""
+    path = tmp_path / "b.json"
+    env = dict(os.environ)
+    proc = subprocess.run(
+        [sys.executable, "-m", "overlap_muon.bench", "--quick", "--cases", "balance", "--json", str(path)],
+        capture_output=True, text=True, timeout=110, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    assert set(bench.expected_ratio_keys("balance")) <= set(report["cases"]["balance"]["ratios"])
+    assert "AMD" in proc.stdout or report["machine"]["cpu_model"] in proc.stdout

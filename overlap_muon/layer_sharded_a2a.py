@@ -167,6 +167,12 @@ def _mismatch(old: tuple, new: tuple) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _host_staged(group: ProcessGroup | None, device: torch.device) -> bool:
+    """True when CUDA tensors must go through host memory: gloo's all_to_all/all_gather take CPU tensors only
+    (several ranks sharing one GPU over gloo). NCCL groups exchange device memory directly."""
+    return device.type == "cuda" and group is not None and dist.get_backend(group) == "gloo"
+
+
 def _execute(
     route: _Route,
     inputs: Sequence[Tensor],
@@ -182,13 +188,17 @@ def _execute(
         recv = torch.empty(sum(route.recv_splits), dtype=dtype, device=device)
         es = send.element_size()
         # [Note: transport as bytes]
+        staged = _host_staged(group, device)
+        wire_recv = recv.cpu() if staged else recv
         dist.all_to_all_single(
-            recv.view(torch.uint8),
-            send.view(torch.uint8),
+            wire_recv.view(torch.uint8),
+            (send.cpu() if staged else send).view(torch.uint8),
             output_split_sizes=[s * es for s in route.recv_splits],
             input_split_sizes=[s * es for s in route.send_splits],
             group=group,
         )
+        if staged:
+            recv.copy_(wire_recv)
         del send
         results = []
         for out in route.outs:
@@ -946,7 +956,12 @@ def all_gather_full(
             send = torch.empty(m, dtype=p.dtype, device=p.device)
             send[: x.numel()].view(x.shape).copy_(x)
             recv = torch.empty(W * m, dtype=p.dtype, device=p.device)
-            gather(recv.view(torch.uint8), send.view(torch.uint8), group=domain.flat_group)
+            if _host_staged(domain.flat_group, p.device):
+                wire = recv.cpu()
+                gather(wire.view(torch.uint8), send.cpu().view(torch.uint8), group=domain.flat_group)
+                recv.copy_(wire)
+            else:
+                gather(recv.view(torch.uint8), send.view(torch.uint8), group=domain.flat_group)
             full = torch.empty(p.full[i], dtype=p.dtype, device=p.device)
             for f, b in enumerate(blocks):
                 if p.pds[i] is None and f % T != 0:

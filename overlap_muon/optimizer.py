@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hooks import GradReadyTracker, register_forward_waits
+from hooks import GradReadyTracker, ddp_readiness_hook, register_forward_waits
 from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_waves
 from scheduler.waves import Wave
 
@@ -826,6 +826,37 @@ class OverlapMuon(torch.optim.Optimizer):
         sd = {k: v for k, v in state_dict.items() if k != "overlap_muon"}
         super().load_state_dict(sd)
         self._link_adamw()
+
+    def attach_ddp(self, ddp_model: nn.Module) -> None:
+        """Take gradient readiness from a DDP comm hook instead of the per-param hooks.
+
+        Under DDP a per-param hook would see the local, un-averaged gradient; the comm hook signals a bucket's
+        params once its all-reduce has completed, so waves read DDP's averaged gradients. Requires
+        ``DistributedDataParallel(..., gradient_as_bucket_view=True)`` (see ``hooks.ddp_readiness_hook``).
+        Params DDP finds unused are launched by ``step()``. A no-op with ``overlap=False`` (``step()`` runs after
+        DDP has averaged everything).
+
+        Raises:
+            TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError(f"attach_ddp expects a DistributedDataParallel, got {type(ddp_model).__name__}")
+        if not self.config.overlap or not self._muon:
+            return
+        if self._tracker is not None:
+            self._tracker.remove()
+            self._tracker = None
+
+        def on_ready(indices: list[int]) -> None:
+            for i in indices:
+                self._on_ready(i)
+
+        state, hook = ddp_readiness_hook(
+            on_ready, {id(m.param): m.index for m in self._muon}, process_group=ddp_model.process_group
+        )
+        ddp_model.register_comm_hook(state, hook)
 
     def close(self) -> None:
         """Wait for everything, remove the hooks and stop the lane threads."""

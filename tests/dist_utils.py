@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, pg_timeout_s, env, args, kwargs, out_q):
+def _worker(fn, rank, world_size, port, pg_timeout_s, env, args, kwargs, out_q, backend="gloo"):
     import torch
     import torch.distributed as dist
 
@@ -56,7 +56,7 @@ def _worker(fn, rank, world_size, port, pg_timeout_s, env, args, kwargs, out_q):
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -81,6 +81,7 @@ def run_ranks(
     pg_timeout: float = 60.0,
     env: dict[str, str] | None = None,
     expect_failure: bool = False,
+    backend: str = "gloo",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
@@ -93,6 +94,7 @@ def run_ranks(
         pg_timeout: timeout of the default gloo process group, seconds.
         env: extra environment variables for the ranks (e.g. toggles).
         expect_failure: if True, return ``[(ok, result_or_traceback), ...]`` instead of raising.
+        backend: ``gloo`` (default) or ``nccl`` (CUDA tests).
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -106,7 +108,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, port, pg_timeout, dict(env or {}), args, kwargs, out_q),
+            args=(fn, r, world_size, port, pg_timeout, dict(env or {}), args, kwargs, out_q, backend),
             daemon=True,
         )
         for r in range(world_size)

@@ -306,3 +306,56 @@ def test_lane_error_surfaces_with_traceback():
         opt.step()  # surfaces here if the lane already failed, else at synchronize()
         opt.synchronize()
     assert isinstance(ei.value.__cause__, FloatingPointError)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DDP: readiness from the comm hook (averaged gradients)
+# ---------------------------------------------------------------------------------------------------------------
+def _ddp(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    finals = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        net = Deep(n=4)
+        ddp = DDP(net, gradient_as_bucket_view=True, bucket_cap_mb=0.001)
+        opt = OverlapMuon(net, overlap=overlap, **HP)
+        opt.attach_ddp(ddp)
+        for s in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * s + rank))
+            ddp(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        finals.append([p.detach().clone() for p in net.parameters()])
+        opt.close()
+    return all(torch.equal(a, b) for a, b in zip(*finals))
+
+
+@pytest.mark.timeout(120)
+def test_ddp_comm_hook_readiness_matches_synchronous():
+    """Waves launched from DDP's comm hook read the averaged gradients: equal to the synchronous path after DDP."""
+    assert all(run_ranks(_ddp, 2, timeout=100))
+
+
+def test_profiler_shows_every_wave_phase(tmp_path):
+    """Each wave's phases appear as record_function ranges (lane threads need profile_all_threads on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = Deep(n=3)
+    opt = OverlapMuon(model, overlap=True, wave_slots=1, **HP)
+    x = torch.randn(4, 16)
+    cfg = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=cfg) as prof:
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+    names = {e.name for e in prof.events()}
+    for k in range(len(opt.waves)):
+        for phase in ("pack", "a2a_to_home", "ns", "a2a_from_home", "apply"):
+            assert f"OverlapMuon::wave{k}::{phase}" in names, (k, phase)
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    opt.close()

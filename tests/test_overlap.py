@@ -359,3 +359,32 @@ def test_profiler_shows_every_wave_phase(tmp_path):
             assert f"OverlapMuon::wave{k}::{phase}" in names, (k, phase)
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     opt.close()
+
+
+def _observed(rank, world, R, T):
+    g, t = divmod(rank, T)
+    fulls, mu = _reference_plain(4)
+    net = PlainShardNet(R, T, g, t)
+    opt = _plain_opt(net, R, T, g, t, overlap=True, wave_slots=2, readiness_order="observed")
+    order = ["l3", "l0", "l5", "l1", "l4", "l2"]  # backward reaches them in the reverse of this order
+    for s in range(4):
+        cs, _ = net.local_grads(s)
+        net(cs, order=order if rank == 0 else list(reversed(order))).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    bad = _check_plain(net, opt, fulls, mu, R, T, g, t, f"observed rank {rank}")
+    plan = [w.params for w in opt.waves]
+    opt.close()
+    return bad, plan
+
+
+@pytest.mark.timeout(120)
+def test_observed_readiness_order_is_rank0s_and_exact():
+    """readiness_order="observed": rank 0's first-step order, broadcast, becomes every rank's wave plan."""
+    res = run_ranks(_observed, 2, 1, 2, timeout=100)
+    assert not [b for r in res for b in r[0]]
+    assert res[0][1] == res[1][1]
+    names = list(PlainShardNet.SHAPES)
+    first = [names[i] for i in res[0][1][0]]
+    assert first[0] == "l2"  # rank 0's backward reached l2 first (it was added last in its forward)

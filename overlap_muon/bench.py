@@ -57,10 +57,16 @@ where it could not be measured, e.g. ``--no-baseline``):
     over the ranks) with ``overlap=True`` (``t_on``), ``overlap=False`` (``t_off``) and no optimizer
     (``t_none``). ``exposed_fraction_world{1,2}`` = ``(t_on - t_none) / (t_off - t_none)``: the part of the
     optimizer's time that the overlap fails to hide (0 all hidden, 1 nothing hidden). World 1 has the NS lane
-    on the spare core; at world 2 both cores run ranks, so the lanes compete with the training step.
-    ``sim_exposed_fraction_world{1,2}``: :func:`scheduler.simulate.simulate` fed the measured per-layer forward /
-    backward times, NS rate, all_to_all bandwidth and latency, and elementwise bandwidth, as
-    ``exposed_overlap_s / exposed_no_overlap_s`` (the same definition).
+    on the spare core; at world 2 both cores run ranks, so the lanes compete with the training step. The
+    variants run in interleaved rounds of a few iterations each; a round's time includes ``synchronize()`` at its
+    end, so every launched wave is paid for.
+    ``sim_exposed_fraction_world{1,2}``: :func:`scheduler.simulate.simulate` fed the per-phase figures measured
+    in the same rounds (per-layer forward / backward times, unbatched NS FLOP/s) and after them (all_to_all
+    bandwidth and latency, elementwise bandwidth), reported as ``exposed_overlap_s / exposed_no_overlap_s`` (the
+    same definition). Its ``ns_interference`` comes from how many cores two compute threads get just before the
+    case (:func:`_two_thread_speedup`; the machine may be shared). A full run also records a ``torch.profiler``
+    trace of the world-1 overlapped step and draws it with :func:`overlap_muon.timeline.draw_timeline`
+    (``traces/bench_overlap_w1_*``): the waits it shows are the part of the exposed time spent blocked on waves.
 ``balance``
     Pure planning: max/mean NS load per rank (``scheduler.load_report`` of ``ns_flops`` costs) of LPT vs round
     robin, for every Muon matrix of a step of GPT-2 small, a Llama-3-8B-class and a Llama-3-70B-class model,
@@ -270,10 +276,13 @@ def machine_info() -> dict[str, Any]:
 
 
 def _two_thread_speedup(seconds: float = 0.3) -> float:
-    """How many cores two compute threads get right now: work rate of two threads over one (2.0: two idle cores).
+    """How many cores two compute threads get right now: work rate of two threads over one, in [0, 2] (2.0: two
+    idle cores).
 
-    Each thread runs 1-thread bf16 ``(256, 256)`` matmuls (torch releases the GIL inside them). On a shared
-    machine other processes take cores, which is what the overlap case's spare-core assumption depends on.
+    Each thread runs 1-thread bf16 ``(256, 256)`` matmuls (torch releases the GIL inside them). Rounds of "one
+    thread, then two threads" alternate and the median round counts, so a change of the machine's load during
+    the check moves it little. On a shared machine other processes take cores, which is what the overlap case's
+    spare-core assumption depends on.
     """
     a = torch.randn(256, 256).bfloat16()
 
@@ -282,20 +291,24 @@ def _two_thread_speedup(seconds: float = 0.3) -> float:
             torch.mm(a, a)
 
     with _threads(1):
-        work(20)
+        work(10)
         n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / 2:
-            work(20)
-            n += 20
-        one = (time.perf_counter() - t0) / n  # seconds per matmul, one thread
-        th = [threading.Thread(target=work, args=(n,)) for _ in range(2)]
-        t0 = time.perf_counter()
-        for x in th:
-            x.start()
-        for x in th:
-            x.join()
-        two = (time.perf_counter() - t0) / (2 * n)  # seconds per matmul, two threads together
-    return one / two
+        while time.perf_counter() - t0 < seconds / 10:
+            work(10)
+            n += 10
+        rounds = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            work(n)
+            one = time.perf_counter() - t0
+            th = [threading.Thread(target=work, args=(n,)) for _ in range(2)]
+            t0 = time.perf_counter()
+            for x in th:
+                x.start()
+            for x in th:
+                x.join()
+            rounds.append(2 * one / (time.perf_counter() - t0))
+    return min(2.0, _median(rounds))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -866,36 +879,30 @@ def _tp_stack(d: int, blocks: int, T: int, t: int, group: Any) -> nn.Sequential:
     return nn.Sequential(*[_TPBlock(d, T, t, group, gen) for _ in range(blocks)])
 
 
-def _phase_figures(net: nn.Module, world: int, group: Any, repeats: int) -> dict[str, float]:
-    """Per-phase rates the simulator needs, measured on this rank: NS FLOP/s, elementwise B/s, all_to_all B/s and
-    latency (world > 1)."""
-    ws = [p for p in net.parameters()]
-    flops, t_ns = 0, 0.0
-    for p in ws:
-        full = tuple(p.full_shape)
+def _ns_sample(shapes: dict[tuple[int, int], int]) -> float:
+    """Seconds of one unbatched NS of every matrix (``{full shape: count}``), as an overlapped wave runs them."""
+    total = 0.0
+    for full, count in shapes.items():
         x = torch.randn(full).bfloat16()
+        t0 = time.perf_counter()
         zeropower(x)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            zeropower(x)
-            ts.append(time.perf_counter() - t0)
-        flops += ns_flops(full)
-        t_ns += _median(ts)
-    # Elementwise: momentum lerp over every local shard (fp32 read of grad, read + write of the buffer: 12 B).
-    elems = sum(p.numel() for p in ws)
+        total += count * (time.perf_counter() - t0)
+    return total
+
+
+def _link_figures(elems: int, wave_bytes: int, world: int, group: Any, repeats: int) -> dict[str, float]:
+    """Elementwise B/s (momentum ``lerp_`` over ``elems`` fp32 elements: 12 B each) and, for ``world > 1``, the
+    all_to_all bandwidth (B/s leaving a rank, for ``wave_bytes`` per rank) and latency (s, a ``world``-byte one)."""
     buf, grad = torch.zeros(elems), torch.randn(elems)
     ts = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         buf.lerp_(grad, 0.05)
         ts.append(time.perf_counter() - t0)
-    out = {"ns_flops_per_s": flops / t_ns, "elementwise_bytes_per_s": 12 * elems / _median(ts[1:]),
-           "link_bytes_per_s": 1e12, "collective_latency_s": 0.0}
+    out = {"elementwise_bytes_per_s": 12 * elems / _median(ts[1:]), "link_bytes_per_s": 1e12,
+           "collective_latency_s": 0.0}
     if world > 1:
-        # One wave's worth of bytes: the bf16 shards of one block's matrices, half of them leaving the rank.
-        nbytes = 2 * sum(p.numel() for p in ws) // max(1, len(ws) // 4)
-        nbytes -= nbytes % world
+        nbytes = wave_bytes - wave_bytes % world
         send, recv = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         tiny_s, tiny_r = torch.empty(world, dtype=torch.uint8), torch.empty(world, dtype=torch.uint8)
         big, small = [], []
@@ -916,6 +923,8 @@ def _phase_figures(net: nn.Module, world: int, group: Any, repeats: int) -> dict
 
 def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds: int, chunk: int,
                   trace_path: str | None) -> dict[str, Any]:
+    """Interleaved rounds of ``chunk`` iterations per variant (none / off / on) plus one NS sample per round, so
+    the per-phase figures the simulator gets see the same machine load as the step times."""
     T, t = world, rank
     group = dist.new_group(list(range(world))) if world > 1 else None
     x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(5))
@@ -959,16 +968,25 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
             opt.synchronize()
         return (time.perf_counter() - t0) / chunk
 
-    names = list(variants)
+    shapes: dict[tuple[int, int], int] = {}
+    for p in variants["none"][0].parameters():
+        shapes[tuple(p.full_shape)] = shapes.get(tuple(p.full_shape), 0) + 1
+    names = list(variants) + ["ns"]
     times: dict[str, list[float]] = {n: [] for n in names}
-    for n in names:  # warm-up chunk
+    for n in names[:3]:  # warm-up chunk
         run_chunk(n, False)
+    _ns_sample(shapes)
     for r in range(rounds):
-        for n in names[r % 3:] + names[: r % 3]:
-            times[n].append(run_chunk(n, True))
+        for n in names[r % 4:] + names[: r % 4]:
+            times[n].append(run_chunk(n, True) if n != "ns" else _ns_sample(shapes))
+    ns_time = times.pop("ns")
+    flops = sum(c * ns_flops(s) for s, c in shapes.items())
+    local = [p for p in variants["none"][0].parameters()]
+    elems = sum(p.numel() for p in local)
     out: dict[str, Any] = {"times": times, "forward_s": _median(fwd_bwd["forward"]),
-                           "backward_s": _median(fwd_bwd["backward"])}
-    out.update(_phase_figures(variants["on"][0], world, group, repeats=3))
+                           "backward_s": _median(fwd_bwd["backward"]), "ns_flops_per_s": flops / _median(ns_time)}
+    # One wave's exchange: the bf16 shards of one block's matrices.
+    out.update(_link_figures(elems, 2 * elems // blocks, world, group, repeats=3))
     if trace_path is not None and rank == 0:
         out["trace"] = _profile_overlap(iteration, variants["on"][1], trace_path)
     for _, opt in variants.values():
@@ -978,21 +996,24 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
 
 
 def _profile_overlap(iteration: Callable[[str, bool], None], opt: OverlapMuon | None, path: str) -> str | None:
-    """Record a ``torch.profiler`` Chrome trace (all threads) of 3 overlapped iterations; the path, or None."""
+    """Record a ``torch.profiler`` Chrome trace (all threads) of 3 overlapped iterations after 1 warm-up, with a
+    ``ProfilerStep#N`` range per iteration; return the path, or None if profiling failed."""
     try:
         from torch._C._profiler import _ExperimentalConfig
 
-        cfg = _ExperimentalConfig(profile_all_threads=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                    experimental_config=cfg) as prof:
-            for _ in range(3):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            schedule=torch.profiler.schedule(wait=0, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda prof: prof.export_chrome_trace(path),
+            experimental_config=_ExperimentalConfig(profile_all_threads=True),
+        ) as prof:
+            for _ in range(4):
                 iteration("on", False)
                 prof.step()
-            if opt is not None:
-                opt.synchronize()
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        prof.export_chrome_trace(path)
-        return path
+        if opt is not None:
+            opt.synchronize()
+        return path if os.path.exists(path) else None
     except Exception:  # noqa: BLE001 - the trace is an extra; the measurement stands without it
         return None
 
@@ -1035,7 +1056,7 @@ def _simulate_exposed(d: int, blocks: int, world: int, r: dict[str, Any], speedu
 def _case_overlap(o: _Options) -> _CaseResult:
     d = 256
     blocks, tokens = (2, 512) if o.quick else (6, 1024)
-    rounds, chunk = (3, 2) if o.quick else (o.reps(3, 5), 3)
+    rounds, chunk = o.reps(3, 5), (2 if o.quick else 3)
     ratios: dict[str, float | None] = {}
     lines, det = [], {"d_model": d, "blocks": blocks, "tokens": tokens, "rounds": rounds, "iters_per_chunk": chunk,
                       "matrices": 4 * blocks}
@@ -1068,9 +1089,11 @@ def _case_overlap(o: _Options) -> _CaseResult:
         if res[0].get("trace"):
             entry["trace"] = res[0]["trace"]
             entry["timeline"] = _draw(res[0]["trace"], os.path.join(o.trace_dir, "bench_overlap_w1_timeline.png"))
-            if entry["timeline"] and "mean_exposed_fraction" in entry["timeline"]:
-                lines.append(f"         timeline {entry['timeline']['png']}: main-thread exposed optimizer time "
-                             f"{entry['timeline']['mean_exposed_fraction']:.3f} of the step")
+            tl = entry["timeline"]
+            if tl and "mean_exposed_ms" in tl:
+                lines.append(f"         timeline {tl['png']}: the main thread waits for waves / runs step() "
+                             f"{tl['mean_exposed_ms']:.1f} ms per step ({tl['mean_exposed_fraction']:.3f} of the "
+                             f"step); the rest of the exposed time is the lanes slowing forward/backward")
         det[f"world{world}"] = entry
     return _CaseResult(
         f"training step with overlap on / off / no optimizer: {blocks} blocks d {d} ({4 * blocks} matrices), "
@@ -1089,6 +1112,7 @@ def _draw(trace: str, png: str) -> dict[str, Any] | None:
     except Exception as e:  # noqa: BLE001 - the picture is an extra
         return {"error": f"{type(e).__name__}: {e}"}
     return {"png": png, "lanes": list(s.lanes), "mean_exposed_fraction": s.mean_exposed_fraction,
+            "mean_exposed_ms": s.mean_exposed_ms, "warnings": list(s.warnings),
             "exposed_ms": list(s.exposed_ms), "step_ms": list(s.step_ms)}
 
 
@@ -1186,7 +1210,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     ap.add_argument("--json", metavar="PATH", help="write every figure, ratio and the machine description here")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default: per case)")
-    ap.add_argument("--no-baseline", action="store_true", help="skip baselines (used by --py-spy's recording)")
+    ap.add_argument("--no-baseline", action="store_true", help="overhead case: time our step only (what --py-spy records)")
     ap.add_argument("--py-spy", action="store_true", help="also record a flame graph of the overhead case's step")
     ap.add_argument("--trace-dir", default="traces", help="where traces, timelines and flame graphs go (%(default)s)")
     ap.add_argument("--timeout", type=float, default=600.0, help="hard limit of one multi-rank spawn, s (%(default)s)")
@@ -1246,6 +1270,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.py_spy:
         report["py_spy"] = _py_spy(o)
     report["elapsed_s"] = time.perf_counter() - t_all
+    with contextlib.suppress(OSError):
+        info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"\n{'ratio':<52}{'value':>10}")
     for k, v in report["ratios"].items():
         print(f"{k:<52}{'-' if v is None else format(v, '.4f'):>10}")

@@ -38,6 +38,7 @@ import os
 import struct
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from typing import Any
 
@@ -53,6 +54,10 @@ __all__ = ["main", "cli", "build_parser"]
 _PROG = "overlap-muon-train"
 _OPTIMIZERS = ("overlap_muon", "adamw", "torch_muon")
 _CKPT_DONE = "COMPLETE"
+# Default AdamW learning rates, each the best of {8e-4, 1.5e-3, 3e-3, 6e-3} for the default 2-rank run: for the
+# embeddings, norms and head beside Muon (3e-3 and 6e-3 tie), and for every parameter with --optimizer adamw.
+_ADAMW_LR_WITH_MUON = 3e-3
+_ADAMW_LR_ALONE = 1.5e-3
 
 
 class _ConfigError(ValueError):
@@ -78,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--mlp-ratio", type=int, default=4, help="MLP width / d_model (default: %(default)s)")
     a("--qkv", choices=("fused", "separate"), default="fused", help="attention input projections")
     a("--lr", type=float, default=0.02, help="Muon learning rate (default: %(default)s)")
-    a("--adamw-lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)")
+    a(
+        "--adamw-lr",
+        type=float,
+        default=None,
+        help=f"AdamW learning rate (default: {_ADAMW_LR_WITH_MUON:g} beside Muon, {_ADAMW_LR_ALONE:g} with --optimizer adamw)",
+    )
     a("--weight-decay", type=float, default=0.0, help="decoupled weight decay, both (default: %(default)s)")
     a("--momentum", type=float, default=0.95, help="Muon momentum (default: %(default)s)")
     a("--adjust-lr-fn", choices=("original", "match_rms_adamw"), default=None, help="Muon lr scaling by shape")
@@ -128,6 +138,11 @@ def _check_args(args: argparse.Namespace, world: int) -> ModelConfig:
         raise _ConfigError(f"--stop-at must be in [1, --steps={args.steps}], got {args.stop_at}")
     if args.resume and not args.checkpoint_dir:
         raise _ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoint is)")
+    if args.adamw_lr is None:
+        args.adamw_lr = _ADAMW_LR_ALONE if args.optimizer == "adamw" else _ADAMW_LR_WITH_MUON
+    for name in ("lr", "adamw_lr"):
+        if not getattr(args, name) > 0:
+            raise _ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.tp is None:
         args.tp = world // args.remat if args.remat and world % args.remat == 0 else (2 if world % 2 == 0 else 1)
     if args.tp <= 0 or world % args.tp:
@@ -327,10 +342,10 @@ def _evaluate(model: GPT, data: ByteData, args: argparse.Namespace, g: int, rema
     batches = data.val_batches(n, mb, args.seq_len)[g * share // mb : (g + 1) * share // mb]
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in batches:
         logits = model(x.to(device))
-        total[0] += float(F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum"))
+        total[0] += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").double()
         total[1] += y.numel()
     if remat_group is not None:
         dist.all_reduce(total, group=remat_group)
@@ -347,7 +362,7 @@ def _latest_checkpoint(root: str) -> tuple[int, str] | None:
     if os.path.isdir(root):
         for name in os.listdir(root):
             path = os.path.join(root, name)
-            if name.startswith("step_") and os.path.isfile(os.path.join(path, _CKPT_DONE)):
+            if name.startswith("step_") and name[5:].isdigit() and os.path.isfile(os.path.join(path, _CKPT_DONE)):
                 step = int(name[5:])
                 if best is None or step > best[0]:
                     best = (step, path)
@@ -355,9 +370,18 @@ def _latest_checkpoint(root: str) -> tuple[int, str] | None:
 
 
 def _fingerprint(args: argparse.Namespace, cfg: ModelConfig) -> dict:
-    """What must match between a checkpoint and the run resuming it for the resume to be exact."""
-    keys = ("optimizer", "tp", "remat", "batch", "grad_accum", "seq_len", "seed", "steps", "data")
+    """What must match between a checkpoint and the run resuming it for its state to load: the model and the
+    layout of every shard. (The resume continues bit-identically when the other flags match too.)"""
+    keys = ("optimizer", "tp", "remat")
     return {"model": asdict(cfg), **{k: getattr(args, k) for k in keys}}
+
+
+@contextlib.contextmanager
+def _quiet_single_process_dcp():
+    """Silence DCP's warning that it runs in a single process: that is what a one-process run means."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _save_checkpoint(root, step, model, opt, extra, rank, world, fingerprint) -> None:
@@ -374,7 +398,8 @@ def _save_checkpoint(root, step, model, opt, extra, rank, world, fingerprint) ->
     path = os.path.join(root, f"step_{step:07d}")
     os.makedirs(path, exist_ok=True)
     _sync(opt)
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(path, "model"))
+    with _quiet_single_process_dcp():
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(path, "model"), no_dist=world == 1)
     state = {"step": step, "fingerprint": fingerprint, "rng_cpu": torch.get_rng_state(), **extra}
     if torch.cuda.is_available():
         state["rng_cuda"] = torch.cuda.get_rng_state_all()
@@ -389,26 +414,50 @@ def _save_checkpoint(root, step, model, opt, extra, rank, world, fingerprint) ->
         dist.barrier()
 
 
-def _load_checkpoint(root, model, opt, rank, fingerprint) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+def _resume_state(args: argparse.Namespace, rank: int, fingerprint: dict) -> dict:
+    """This rank's saved position (step, losses, RNG) of the latest complete checkpoint, checked against this
+    run before any collective.
 
+    Raises:
+        _ConfigError: no complete checkpoint, one written by another model or layout, or nothing left to run.
+    """
+    root = args.checkpoint_dir
     found = _latest_checkpoint(root)
     if found is None:
         raise _ConfigError(f"--resume: no complete checkpoint under {root!r}; run without --resume first")
     step, path = found
-    state = torch.load(os.path.join(path, f"state.rank{rank}.pt"), weights_only=False)
+    state_file = os.path.join(path, f"state.rank{rank}.pt")
+    if not os.path.isfile(state_file):
+        raise _ConfigError(f"--resume: {path} has no state for rank {rank}; resume with the world size it was saved with")
+    state = torch.load(state_file, weights_only=False)
     if state["fingerprint"] != fingerprint:
         diff = {k: (v, fingerprint.get(k)) for k, v in state["fingerprint"].items() if fingerprint.get(k) != v}
-        raise _ConfigError(f"--resume: checkpoint {path} was written by a different run (saved, now): {diff}")
+        raise _ConfigError(
+            f"--resume: {path} was saved with other settings, (saved, now): {diff}; pass the flags it was saved with"
+        )
+    stop = args.stop_at if args.stop_at is not None else args.steps
+    if step >= stop:
+        raise _ConfigError(f"--resume: {path} is at step {step}, nothing left to run; raise --steps above {step}")
+    state["path"] = path
+    return state
+
+
+def _load_checkpoint(state: dict, model: GPT, opt) -> None:
+    """Load the model (DCP), this rank's optimizer state and RNG from the checkpoint ``state`` came from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = state["path"]
     msd = {"model": get_model_state_dict(model)}
-    dcp.load(msd, checkpoint_id=os.path.join(path, "model"))
+    single = not dist.is_initialized() or dist.get_world_size() == 1
+    with _quiet_single_process_dcp():
+        dcp.load(msd, checkpoint_id=os.path.join(path, "model"), no_dist=single)
     set_model_state_dict(model, msd["model"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
     opt.load_state_dict(torch.load(os.path.join(path, f"optim.rank{rank}.pt"), weights_only=False))
     torch.set_rng_state(state["rng_cpu"])
     if "rng_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng_cuda"])
-    return state
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -420,8 +469,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> di
     data = _load_data(args)
     device = _device(args, local_rank)
     fingerprint = _fingerprint(args, cfg)
-    if args.resume and _latest_checkpoint(args.checkpoint_dir) is None:
-        raise _ConfigError(f"--resume: no complete checkpoint under {args.checkpoint_dir!r}; run without --resume first")
+    resume_state = _resume_state(args, rank, fingerprint) if args.resume else None
 
     own_group = False
     if world > 1 and not dist.is_initialized():
@@ -429,15 +477,13 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> di
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
         own_group = True
     try:
-        return _train(args, cfg, data, device, rank, world, fingerprint)
+        return _train(args, cfg, data, device, rank, world, fingerprint, resume_state)
     finally:
         if own_group:
             dist.destroy_process_group()
 
 
-def _train(args, cfg, data, device, rank, world, fingerprint) -> dict:
-    from tqdm import tqdm
-
+def _train(args, cfg, data, device, rank, world, fingerprint, resume_state) -> dict:
     mesh = None
     g = 0
     remat_group = None
@@ -452,30 +498,30 @@ def _train(args, cfg, data, device, rank, world, fingerprint) -> dict:
         parallelize(model, mesh)
     opt = _build_optimizer(args, model, mesh)
     try:
-        return _loop(args, cfg, data, device, rank, world, fingerprint, model, opt, mesh, g, remat_group)
+        if resume_state is not None:
+            _load_checkpoint(resume_state, model, opt)
+        return _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model, opt, g, remat_group)
     finally:
         _close(opt)
 
 
-def _loop(args, cfg, data, device, rank, world, fingerprint, model, opt, mesh, g, remat_group) -> dict:
+def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model, opt, g, remat_group) -> dict:
     from tqdm import tqdm
 
     log = rank == 0 and not args.quiet
     start, losses, val_hist = 0, [], []
-    if args.resume:
-        state = _load_checkpoint(args.checkpoint_dir, model, opt, rank, fingerprint)
-        start, losses, val_hist = state["step"], list(state["losses"]), list(state["val_history"])
+    if resume_state is not None:
+        start, losses, val_hist = resume_state["step"], list(resume_state["losses"]), list(resume_state["val_history"])
     stop = args.stop_at if args.stop_at is not None else args.steps
-    if start >= stop:
-        raise _ConfigError(f"--resume: the checkpoint is at step {start}, nothing left before step {stop}")
 
     unigram = data.unigram_entropy_bits()
     n_params = sum(p.numel() for p in model.parameters())
     if log:
+        lrs = f"adamw-lr {args.adamw_lr:g}" if args.optimizer == "adamw" else f"lr {args.lr:g}, adamw-lr {args.adamw_lr:g}"
         print(
             f"{_PROG}: {data.source}: {data.train.numel()} train / {data.val.numel()} val bytes, unigram entropy "
             f"{unigram:.3f} bits/byte | model {n_params / 1e6:.2f} M params {asdict(cfg)} | world {world} = remat "
-            f"{args.remat} x tp {args.tp} on {device.type} | {args.optimizer} lr {args.lr} adamw-lr {args.adamw_lr}",
+            f"{args.remat} x tp {args.tp} on {device.type} | {args.optimizer} {lrs}",
             flush=True,
         )
 
@@ -489,7 +535,7 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, model, opt, mesh, g
     for step in range(start, stop):
         _set_lr(opt, step, args)
         x_all, y_all = data.train_batch(step, args.seed, args.batch, args.seq_len)
-        loss_sum = torch.zeros(1, dtype=torch.float64)
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)  # on device: NCCL reduces device tensors
         for k in range(args.grad_accum):
             rows = slice((g * args.grad_accum + k) * mb, (g * args.grad_accum + k + 1) * mb)
             x, y = x_all[rows].to(device), y_all[rows].to(device)
@@ -500,7 +546,7 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, model, opt, mesh, g
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             with torch.profiler.record_function("train::backward"), _accumulating(opt, not last):
                 (loss / args.grad_accum if args.grad_accum > 1 else loss).backward()
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss.detach().double()
         with torch.profiler.record_function("train::optimizer_step"):
             opt.step()
             opt.zero_grad()
@@ -510,8 +556,8 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, model, opt, mesh, g
         losses.append(loss_val)
         if prof is not None:
             prof.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        # float(loss_sum) above waited for the default stream only: a device-wide synchronize here would
+        # also wait for the optimizer's side streams and so remove the overlap being measured.
         now = time.perf_counter()
         train_time += now - t_step
         done = step + 1

@@ -7,7 +7,6 @@ One quick run of a subset of cases (``step``, ``ns``, ``comm``, ``balance``) is 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -103,12 +102,11 @@ def test_py_spy_missing_says_so(monkeypatch, capsys, tmp_path):
 def test_module_entry_point_runs(tmp_path):
     """``python -m overlap_muon.bench`` (what the console script wraps) runs a planning-only case and writes JSON."""
     path = tmp_path / "b.json"
-    env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, "-m", "overlap_muon.bench", "--quick", "--cases", "balance", "--json", str(path)],
-        capture_output=True, text=True, timeout=110, env=env,
+        capture_output=True, text=True, timeout=110,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(path.read_text())
     assert set(bench.expected_ratio_keys("balance")) <= set(report["cases"]["balance"]["ratios"])
-    assert "AMD" in proc.stdout or report["machine"]["cpu_model"] in proc.stdout
+    assert report["machine"]["cpu_model"] in proc.stdout  # the table header names the machine

@@ -169,7 +169,9 @@ def load_file(path: str) -> ByteData:
     try:
         blob.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"--data {path!r} is not UTF-8 text (bad byte at offset {e.start}); pass a UTF-8 text file") from e
+        raise DataError(
+            f"--data {path!r} is not UTF-8 text (bad byte at offset {e.start}); pass a UTF-8 text file"
+        ) from e
     cut = len(blob) - max(1, math.floor(len(blob) * _VAL_FRACTION))
     return ByteData(_as_tensor(blob[:cut]), _as_tensor(blob[cut:]), f"{path} ({len(blob)} bytes)")
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ModelConfig", "GPT", "OutputHead", "muon_params", "parallelize", "VOCAB"]
+__all__ = ["ModelConfig", "GPT", "Block", "Attention", "MLP", "OutputHead", "muon_params", "parallelize", "VOCAB"]
 
 VOCAB = 256  #: byte-level vocabulary
 
@@ -70,7 +70,8 @@ class ModelConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by tp={tp}; pick --n-heads a multiple of --tp")
         if (self.mlp_ratio * self.d_model) % tp:
             raise ValueError(
-                f"MLP width {self.mlp_ratio * self.d_model} is not divisible by tp={tp}; change --d-model or --mlp-ratio"
+                f"MLP width {self.mlp_ratio * self.d_model} is not divisible by tp={tp}; "
+                "change --d-model or --mlp-ratio"
             )
 
     @property

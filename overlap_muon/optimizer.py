@@ -242,6 +242,8 @@ class OverlapMuon(torch.optim.Optimizer):
         self._link_adamw()
         for m in self._muon:  # eager momentum: identical state_dict keys on every rank (issue: checkpoints)
             self.state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
+        self._init_adamw_state()
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
 
         # ---- plan -------------------------------------------------------------------------------------------
         self._costs = [float(ns_flops(m.full_shape, ns_steps)) for m in self._muon]
@@ -417,6 +419,24 @@ class OverlapMuon(torch.optim.Optimizer):
             )
         return _MuonParam(i, name, p, full, pd), None
 
+    def _init_adamw_state(self) -> None:
+        """Create the AdamW state now, as ``torch.optim.AdamW._init_group`` does on a param's first step (zero
+        moments, ``step`` 0), so the state holds every param from construction on: DCP's ``set_state_dict``
+        builds its load template from it (and skips its own warm-up step once any state exists)."""
+        for group in self.param_groups[1:]:
+            for p in group["params"]:
+                st = self.state[p]
+                if st:
+                    continue
+                if group["capturable"] or group["fused"]:
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                else:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     def _link_adamw(self) -> None:
         """Share state and param-group dicts with the inner AdamW, so LR schedulers and state_dict see both."""
         if self._adamw is not None:
@@ -465,6 +485,8 @@ class OverlapMuon(torch.optim.Optimizer):
                 waits[mod] = own
         self._module_params = waits
         self._wait_handles = register_forward_waits(list(waits), self._wait_module)
+        # model.state_dict() (a checkpoint) must not read params whose Muon update is still in flight.
+        self._wait_handles.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
 
     # ------------------------------------------------------------------------------------------------------
     # hooks -> dispatcher -> lanes
@@ -812,15 +834,18 @@ class OverlapMuon(torch.optim.Optimizer):
             ids = [i for g in groups for i in g["params"]]
             params = [p for g in self.param_groups for p in g["params"]]
             by_id = dict(zip(ids, params))
-            names = {id(m.param): m.name for m in self._muon}
             for pid, st in state_dict.get("state", {}).items():
                 p = by_id.get(pid)
-                buf = st.get("momentum_buffer") if isinstance(st, dict) else None
-                if p is not None and buf is not None and tuple(buf.shape) != tuple(p.shape):
-                    errors.append(
-                        f"momentum of Muon param {names.get(id(p), pid)!r} has shape {tuple(buf.shape)} in the "
-                        f"checkpoint, expected {tuple(p.shape)}"
-                    )
+                if p is None or not isinstance(st, dict):
+                    continue
+                for key, v in st.items():
+                    # every per-element entry (momentum_buffer, exp_avg, exp_avg_sq, ...) has its param's shape
+                    if isinstance(v, Tensor) and v.ndim > 0 and tuple(v.shape) != tuple(p.shape):
+                        what = "momentum of Muon param" if key == "momentum_buffer" else f"{key} of AdamW param"
+                        errors.append(
+                            f"{what} {self._param_names.get(id(p), pid)!r} has shape {tuple(v.shape)} in the "
+                            f"checkpoint, expected {tuple(p.shape)}"
+                        )
         if errors:
             raise ValueError("OverlapMuon.load_state_dict: checkpoint does not fit; nothing loaded: " + "; ".join(errors))
         sd = {k: v for k, v in state_dict.items() if k != "overlap_muon"}

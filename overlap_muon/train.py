@@ -17,8 +17,9 @@ Optimizers (``--optimizer``):
 Every step ``s`` uses the global batch of :meth:`ByteData.train_batch` (``--batch`` rows of ``--seq-len``
 bytes); remat rank ``g`` takes rows ``[g*B/R, (g+1)*B/R)`` and splits them into ``--grad-accum`` micro-batches,
 each of whose mean losses is scaled by ``1/grad_accum`` before backward; FSDP averages over the ``R`` ranks.
-A single process with ``--grad-accum K`` therefore computes the same gradient as ``K`` FSDP ranks, bit for bit
-(scaling by a power of two is exact; see tests/test_train.py).
+A single process with ``--grad-accum 2`` therefore computes the same gradient as 2 FSDP ranks, bit for bit:
+``g0/2 + g1/2 == (g0 + g1)/2`` exactly, as halving is exact and two addends commute (tests/test_train.py).
+With more addends the summation order differs, and so do the last bits.
 
 The learning rate of every parameter group is ``base * warmup(s) * cooldown(s)``: linear warmup over
 ``--warmup`` steps, flat, then linear decay to zero over the last ``--cooldown`` fraction of ``--steps``.
@@ -66,13 +67,19 @@ class _ConfigError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags (defaults tuned so a 2-rank CPU run ends in about 2-3 minutes)."""
-    p = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=_PROG,
+        description=__doc__.split("\n\n")[0],
+        epilog="overlap_muon toggles (environment): OVERLAP_MUON_MODE=layer_sharded|duplicated, OVERLAP_MUON_OVERLAP, "
+        "OVERLAP_MUON_FUSED_A2A, OVERLAP_MUON_BATCH_NS (1|0), OVERLAP_MUON_BALANCE=lpt|round_robin, "
+        "OVERLAP_MUON_WAVE_SLOTS=N.",
+    )
     a = p.add_argument
     a("--optimizer", choices=_OPTIMIZERS, default="overlap_muon", help="default: %(default)s")
     a("--data", default=None, help="UTF-8 text file (default: the Python standard library's sources)")
     a("--tp", type=int, default=None, help="tensor-parallel size (default: 2 on an even world, else 1)")
     a("--remat", type=int, default=None, help="FSDP / data-parallel size (default: world size / tp)")
-    a("--steps", type=int, default=300, help="optimizer steps of the schedule (default: %(default)s)")
+    a("--steps", type=int, default=400, help="optimizer steps of the schedule (default: %(default)s)")
     a("--stop-at", type=int, default=None, help="end this run after this step, as if interrupted")
     a("--batch", type=int, default=16, help="global batch, sequences per step (default: %(default)s)")
     a("--grad-accum", type=int, default=1, help="micro-batches per rank and step (default: %(default)s)")
@@ -87,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--adamw-lr",
         type=float,
         default=None,
-        help=f"AdamW learning rate (default: {_ADAMW_LR_WITH_MUON:g} beside Muon, {_ADAMW_LR_ALONE:g} with --optimizer adamw)",
+        help=f"AdamW learning rate (default: {_ADAMW_LR_WITH_MUON:g} beside Muon, "
+        f"{_ADAMW_LR_ALONE:g} with --optimizer adamw)",
     )
     a("--weight-decay", type=float, default=0.0, help="decoupled weight decay, both (default: %(default)s)")
     a("--momentum", type=float, default=0.95, help="Muon momentum (default: %(default)s)")
@@ -428,7 +436,9 @@ def _resume_state(args: argparse.Namespace, rank: int, fingerprint: dict) -> dic
     step, path = found
     state_file = os.path.join(path, f"state.rank{rank}.pt")
     if not os.path.isfile(state_file):
-        raise _ConfigError(f"--resume: {path} has no state for rank {rank}; resume with the world size it was saved with")
+        raise _ConfigError(
+            f"--resume: {path} has no state for rank {rank}; resume with the world size it was saved with"
+        )
     state = torch.load(state_file, weights_only=False)
     if state["fingerprint"] != fingerprint:
         diff = {k: (v, fingerprint.get(k)) for k, v in state["fingerprint"].items() if fingerprint.get(k) != v}
@@ -517,13 +527,18 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
     unigram = data.unigram_entropy_bits()
     n_params = sum(p.numel() for p in model.parameters())
     if log:
-        lrs = f"adamw-lr {args.adamw_lr:g}" if args.optimizer == "adamw" else f"lr {args.lr:g}, adamw-lr {args.adamw_lr:g}"
+        lrs = f"adamw-lr {args.adamw_lr:g}"
+        if args.optimizer != "adamw":
+            lrs = f"lr {args.lr:g}, {lrs}"
         print(
             f"{_PROG}: {data.source}: {data.train.numel()} train / {data.val.numel()} val bytes, unigram entropy "
             f"{unigram:.3f} bits/byte | model {n_params / 1e6:.2f} M params {asdict(cfg)} | world {world} = remat "
             f"{args.remat} x tp {args.tp} on {device.type} | {args.optimizer} {lrs}",
             flush=True,
         )
+        describe = getattr(getattr(opt, "config", None), "describe", None)
+        if describe is not None:
+            print(f"{_PROG}: {describe()}", flush=True)
 
     mb = args.batch // (args.remat * args.grad_accum)
     tokens_per_step = args.batch * args.seq_len
@@ -629,6 +644,8 @@ def _profiler(args, rank, device):
 
     def on_ready(p) -> None:
         p.export_chrome_trace(out)
+        if rank == 0 and not args.quiet:
+            print(f"{_PROG}: profiler trace of steps [{skip}, {skip + active}) in {out} (one per rank)", flush=True)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     # The optimizer's ranges are emitted on its lane worker threads; the profiler records only the threads

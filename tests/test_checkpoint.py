@@ -169,7 +169,8 @@ def _all_ranks_equal(obj, tag) -> list[str]:
         return []
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
-    return [f"{tag}: rank {r}'s state_dict structure differs from rank 0's" for r, o in enumerate(gathered) if o != gathered[0]]
+    return [f"{tag}: rank {r}'s state_dict structure differs from rank 0's"
+            for r, o in enumerate(gathered) if o != gathered[0]]
 
 
 def _check_resume_plain(R, T, g, t, path):
@@ -194,10 +195,15 @@ def _check_resume_plain(R, T, g, t, path):
     return _diff(a, b, f"plain {R}x{T} resume")
 
 
-def _check_dcp_dtensor(R, T, path, init_adamw):
-    """FSDP2 + TP TinyNet: get_state_dict -> dcp.save; fresh model/optimizer; dcp.load -> set_state_dict."""
+def _check_dcp_dtensor(R, T, path, init_adamw, flatten=False):
+    """FSDP2 + TP TinyNet: get_state_dict -> dcp.save; fresh model/optimizer; dcp.load -> set_state_dict.
+
+    ``flatten``: ``StateDictOptions(flatten_optimizer_state_dict=True)`` (every param group entry, e.g. the
+    Muon group's ``ns_coefficients`` tuple and ``algorithm`` string, stored per param FQN)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
 
     xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(50 + s)) for s in range(K + N)]
 
@@ -211,7 +217,7 @@ def _check_dcp_dtensor(R, T, path, init_adamw):
     model, mesh = build_dtensor_model(TinyNet(), R, T)
     opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, overlap=True, **HP)
     train(model, opt, range(K))
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = get_state_dict(model, opt, options=options)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     train(model, opt, range(K, K + N))
     a = _snapshot(model, opt)
@@ -222,14 +228,14 @@ def _check_dcp_dtensor(R, T, path, init_adamw):
     opt2 = OverlapMuon(model2, device_mesh=mesh2, adamw_kwargs=ADAMW_KW, overlap=True, **HP)
     if init_adamw:
         _init_adamw_state(opt2)
-    msd2, osd2 = get_state_dict(model2, opt2)
+    msd2, osd2 = get_state_dict(model2, opt2, options=options)
     sd = {"model": msd2, "optim": osd2}
     dcp.load(sd, checkpoint_id=path)
-    set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
     train(model2, opt2, range(K, K + N))
     b = _snapshot(model2, opt2)
     opt2.close()
-    return _diff(a, b, f"dcp {R}x{T} init_adamw={init_adamw}")
+    return _diff(a, b, f"dcp {R}x{T} init_adamw={init_adamw} flatten={flatten}")
 
 
 def _dist_checks(rank, world, R, T, tmp):
@@ -239,9 +245,10 @@ def _dist_checks(rank, world, R, T, tmp):
         "keys_dtensor": _guard(_check_same_keys_dtensor, R, T, g, t),
         "resume_plain": _guard(_check_resume_plain, R, T, g, t, os.path.join(tmp, f"plain_rank{rank}.pt")),
     }
-    for init_adamw in (False, True):
-        d = os.path.join(tmp, f"dcp_{init_adamw}")  # one directory shared by the ranks
-        out[f"dcp_{init_adamw}"] = _guard(_check_dcp_dtensor, R, T, d, init_adamw)
+    for init_adamw, flatten in ((False, False), (True, False), (True, True)):
+        key = f"dcp_{init_adamw}_{flatten}"
+        d = os.path.join(tmp, key)  # one directory shared by the ranks
+        out[key] = _guard(_check_dcp_dtensor, R, T, d, init_adamw, flatten)
     return out
 
 
@@ -286,33 +293,21 @@ def test_resume_plain_single_process_bitwise(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    reason="DCP resume fails: eager Muon momentum makes optim.state non-empty, so DCP's _init_optim_state skips "
-    "the lr=0 warm-up step; the fresh optimizer then has no AdamW state, DCP's template has no AdamW entries and "
-    "set_state_dict raises 'Missing optimizer state for parameter norm.weight'. Fix: create the AdamW state "
-    "eagerly too (OverlapMuon.__init__).",
-)
 def test_dcp_resume_dtensor(dist_results):
     """get_state_dict / dcp.save / dcp.load / set_state_dict round trip on FSDP2 + TP, as a user writes it."""
-    bad = _failures(dist_results, "dcp_False")
+    bad = _failures(dist_results, "dcp_False_False")
     assert not bad, "\n".join(bad[:4])
 
 
 @pytest.mark.timeout(120)
 def test_dcp_resume_dtensor_with_eager_adamw_state(dist_results):
-    """The same round trip once the AdamW state exists before loading: resumed == not stopped, bitwise."""
-    bad = _failures(dist_results, "dcp_True")
+    """The same round trip once the AdamW state exists before loading (nested and flattened optimizer state
+    dicts): resumed == not stopped, bitwise."""
+    bad = _failures(dist_results, "dcp_True_False") + _failures(dist_results, "dcp_True_True")
     assert not bad, "\n".join(bad[:4])
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="model.state_dict() right after step() (overlap on) does not wait for the in-flight Muon updates, so a "
-    "model checkpoint taken before opt.state_dict()/synchronize() holds half-applied params. Fix: a model "
-    "state_dict pre-hook that calls synchronize() (OverlapMuon._register_waits).",
-)
 def test_model_state_dict_after_step_sees_applied_update():
     """Regression for a silent checkpoint corruption: ``torch.save(model.state_dict())`` right after
     ``opt.step()`` in overlap mode must not save params whose Muon update has not landed yet."""
@@ -412,11 +407,6 @@ def test_load_wrong_param_count_is_value_error():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="load_state_dict checks Muon momentum shapes only: an AdamW state of another shape (embedding with "
-    "another vocabulary) loads silently and the next step() fails half-way (Muon waves already launched).",
-)
 def test_load_mismatched_adamw_state_shape_is_value_error():
     """Same Muon matrices, an embedding of another vocabulary size: the AdamW moments do not fit."""
     torch.manual_seed(0)

@@ -83,7 +83,7 @@ def _check_timeouts(timeouts: dict[str, list[float]], R: int, T: int, want: floa
     bad = []
     for tag, ts in timeouts.items():
         if len(ts) != _groups_per_rank(R, T):
-            bad.append(f"{tag}: the runtime created {len(ts)} groups holding this rank, expected {_groups_per_rank(R, T)}")
+            bad.append(f"{tag}: {len(ts)} runtime groups hold this rank, expected {_groups_per_rank(R, T)}")
         if any(x != want for x in ts):
             bad.append(f"{tag}: group timeouts {ts} s, expected {want} s")
     return bad
@@ -204,7 +204,9 @@ FAULTS = [
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    "world,R,T,point,fused,from_env,dtensor", FAULTS, ids=[f"{f[0]}-{f[3]}-{'fused' if f[4] else 'two_stage'}" for f in FAULTS]
+    "world,R,T,point,fused,from_env,dtensor",
+    FAULTS,
+    ids=[f"{f[0]}-{f[3]}-{'fused' if f[4] else 'two_stage'}" for f in FAULTS],
 )
 def test_peer_fault_raises_naming_the_exchange(world, R, T, point, fused, from_env, dtensor, tmp_path):
     """Regression for a hang: a peer that dies (or stalls) mid-step must make every other rank raise, within the
@@ -260,7 +262,8 @@ def _net_and_opt(R=1, T=1, g=0, t=0, **kw):
     if R * T == 1:
         return net, OverlapMuon(net, adamw_kwargs=ADAMW_KW, overlap=True, **MUON_2D, **HP, **kw)
     tp, rm = _groups(R, T, g, t)
-    return net, OverlapMuon(net, adamw_kwargs=ADAMW_KW, tp_group=tp, remat_group=rm, overlap=True, **MUON_2D, **HP, **kw)
+    return net, OverlapMuon(net, adamw_kwargs=ADAMW_KW, tp_group=tp, remat_group=rm, overlap=True, **MUON_2D, **HP,
+                            **kw)
 
 
 def _check_lane_error(e: BaseException) -> list[str]:

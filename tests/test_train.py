@@ -28,7 +28,14 @@ TINY = [
     "--steps", "6", "--warmup", "0", "--val-windows", "8", "--eval-every", "0", "--quiet",
 ]  # fmt: skip
 
-_TOGGLES = ("OVERLAP_MUON_MODE", "OVERLAP_MUON_OVERLAP", "OVERLAP_MUON_FUSED_A2A", "OVERLAP_MUON_BATCH_NS")
+_TOGGLES = (
+    "OVERLAP_MUON_MODE",
+    "OVERLAP_MUON_OVERLAP",
+    "OVERLAP_MUON_FUSED_A2A",
+    "OVERLAP_MUON_BATCH_NS",
+    "OVERLAP_MUON_BALANCE",
+    "OVERLAP_MUON_WAVE_SLOTS",
+)
 
 
 def _figures(s: dict) -> tuple:
@@ -110,21 +117,30 @@ def test_modes_bit_identical_and_match_torch_muon(tmp_path):
     ]
     configs = [(env, base + ["--tp", "1"]) for env in toggles]
     configs += [(env, base + ["--tp", "2"]) for env in toggles]
-    configs += [({}, base + ["--tp", "2", "--qkv", "separate"]), ({"OVERLAP_MUON_MODE": "duplicated"}, base + ["--tp", "2", "--qkv", "separate"])]
+    sep = base + ["--tp", "2", "--qkv", "separate"]
+    configs += [({}, sep), ({"OVERLAP_MUON_MODE": "duplicated"}, sep)]
+    accum = base + ["--tp", "1", "--grad-accum", "2"]
+    configs += [({}, accum), ({"OVERLAP_MUON_OVERLAP": "0"}, accum)]
     res = run_ranks(_run_configs, 2, configs, timeout=120)
     assert [_figures(s) for s in res[0]] == [_figures(s) for s in res[1]]
     runs = res[0]
-    fsdp, tp, sep = runs[: len(toggles)], runs[len(toggles) : 2 * len(toggles)], runs[2 * len(toggles) :]
+    n = len(toggles)
+    fsdp, tp, sep, accum = runs[:n], runs[n : 2 * n], runs[2 * n : 2 * n + 2], runs[2 * n + 2 :]
     for s, env in zip(fsdp[1:], toggles[1:]):
         assert _figures(s) == _figures(fsdp[0]), f"TP=1 x remat=2 with {env} differs from the default toggles"
     for s, env in zip(tp[1:], toggles[1:]):
         assert _figures(s) == _figures(tp[0]), f"TP=2 with {env} differs from the default toggles"
     assert _figures(sep[1]) == _figures(sep[0]), "separate QKV: duplicated differs from layer_sharded"
+    # Gradient accumulation under FSDP: overlap mode must hold every wave until the last micro-batch
+    # (OverlapMuon.no_sync), so it equals the synchronous step on the accumulated gradient.
+    assert _figures(accum[1]) == _figures(accum[0]), "grad-accum 2 x remat 2: overlap differs from synchronous"
 
     ref = _single_process(base + ["--optimizer", "torch_muon", "--grad-accum", "2"])
     assert _figures(ref) == _figures(fsdp[0]), "TP=1 x remat=2 overlap_muon differs from torch.optim.Muon"
     # The TP runs learn the same thing, only not bitwise (see the docstring).
     assert max(abs(a - b) for a, b in zip(tp[0]["losses"], ref["losses"])) < 1e-2
+    # ((g0 + g1)/2 + (g2 + g3)/2)/2 against a 4-micro-batch sum: the same gradient up to rounding.
+    assert max(abs(a - b) for a, b in zip(accum[0]["losses"], ref["losses"])) < 1e-2
 
 
 def test_2d_mesh_modes_bit_identical(tmp_path):

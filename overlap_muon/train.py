@@ -557,12 +557,12 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
             last = k == args.grad_accum - 1
             if args.remat > 1 and args.grad_accum > 1:
                 model.set_requires_gradient_sync(last)
-            with torch.profiler.record_function("train::forward"):
+            with torch.profiler.record_function("## forward ##"):
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            with torch.profiler.record_function("train::backward"), _accumulating(opt, not last):
+            with torch.profiler.record_function("## backward ##"), _accumulating(opt, not last):
                 (loss / args.grad_accum if args.grad_accum > 1 else loss).backward()
             loss_sum += loss.detach().double()
-        with torch.profiler.record_function("train::optimizer_step"):
+        with torch.profiler.record_function("## optimizer ##"):
             opt.step()
             opt.zero_grad()
         if remat_group is not None:

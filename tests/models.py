@@ -170,3 +170,42 @@ class PlainShardNet(nn.Module):
         locs = {n: block(fulls[n], pd, R, T, g, t).contiguous() for n, (_, pd) in self.SHAPES.items()}
         locs["scale"] = fulls["scale"]
         return locs, fulls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared by the optimizer tests
+# ---------------------------------------------------------------------------------------------------------------
+HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+MUON_2D = dict(muon_filter=lambda name, p: p.ndim == 2)
+
+
+def explicit_groups(R: int, T: int, g: int, t: int):
+    """Explicit TP (ranks sharing g) and remat (ranks sharing t) groups; every rank creates all of them
+    (``new_group`` is collective), then keeps its own. ``None`` for a size-1 dim."""
+    tp = [dist.new_group([gg * T + tt for tt in range(T)]) for gg in range(R)] if T > 1 else None
+    rm = [dist.new_group([gg * T + tt for gg in range(R)]) for tt in range(T)] if R > 1 else None
+    return (tp[g] if tp else None), (rm[t] if rm else None)
+
+
+def plain_opt(model: nn.Module, R: int, T: int, g: int, t: int, *, all_2d: bool = True, **kw):
+    """OverlapMuon over plain local blocks on an R x T domain with explicit groups (Muon on every 2-D param when
+    ``all_2d``, else on nn.Linear weights), the shared hyper-parameters and AdamW settings."""
+    from overlap_muon import OverlapMuon
+
+    extra = dict(MUON_2D) if all_2d else {}
+    if R * T > 1:
+        extra["tp_group"], extra["remat_group"] = explicit_groups(R, T, g, t)
+    return OverlapMuon(model, adamw_kwargs=ADAMW_KW, **extra, **HP, **kw)
+
+
+class Deep(nn.Module):
+    """``n`` square bias-free linears with tanh: a stack whose backward produces gradients last-layer first."""
+
+    def __init__(self, n: int = 6, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x

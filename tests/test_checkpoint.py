@@ -21,30 +21,14 @@ from torch import nn
 
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, PlainShardNet, TinyNet, build_dtensor_model, local, set_grad
+from tests.models import ADAMW_KW, HP, MUON_2D, PlainShardNet, TinyNet, build_dtensor_model, local, plain_opt, set_grad
 
-HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-MUON_2D = dict(muon_filter=lambda name, p: p.ndim == 2)
 K, N = 2, 3  # steps before the checkpoint, steps after it
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------------
-def _groups(R, T, g, t):
-    """Explicit TP (ranks sharing g) and remat (ranks sharing t) groups; every rank creates all of them."""
-    tp = [dist.new_group([gg * T + tt for tt in range(T)]) for gg in range(R)] if T > 1 else None
-    rm = [dist.new_group([gg * T + tt for gg in range(R)]) for tt in range(T)] if R > 1 else None
-    return (tp[g] if tp else None), (rm[t] if rm else None)
-
-
-def _plain_opt(net, R, T, g, t, **kw):
-    if R * T == 1:
-        return OverlapMuon(net, adamw_kwargs=ADAMW_KW, **MUON_2D, **HP, **kw)
-    tp, rm = _groups(R, T, g, t)
-    return OverlapMuon(net, adamw_kwargs=ADAMW_KW, tp_group=tp, remat_group=rm, **MUON_2D, **HP, **kw)
-
-
 def _train_plain(net, opt, steps, skip=()):
     for s in steps:
         cs, _ = net.local_grads(s)
@@ -127,7 +111,7 @@ def _init_adamw_state(opt: OverlapMuon) -> None:
 def _check_same_keys_plain(R, T, g, t):
     """Keys identical on every rank; l5 never gets a gradient yet has its (zero) momentum entry."""
     net = PlainShardNet(R, T, g, t)
-    opt = _plain_opt(net, R, T, g, t, overlap=True)
+    opt = plain_opt(net, R, T, g, t, overlap=True)
     _train_plain(net, opt, range(2), skip=("l5",))
     sd = opt.state_dict()
     bad = []
@@ -176,7 +160,7 @@ def _all_ranks_equal(obj, tag) -> list[str]:
 def _check_resume_plain(R, T, g, t, path):
     """torch.save / torch.load of the optimizer and the model; A (no stop) == B (resumed) bitwise."""
     net = PlainShardNet(R, T, g, t)
-    opt = _plain_opt(net, R, T, g, t, overlap=True)
+    opt = plain_opt(net, R, T, g, t, overlap=True)
     _train_plain(net, opt, range(K))
     osd = opt.state_dict()  # waits for the last step's waves first (model.state_dict() alone does not)
     torch.save({"model": net.state_dict(), "optim": osd}, path)
@@ -185,7 +169,7 @@ def _check_resume_plain(R, T, g, t, path):
     opt.close()
 
     net2 = PlainShardNet(R, T, g, t, seed=1)  # other initial values: the load must overwrite them
-    opt2 = _plain_opt(net2, R, T, g, t, overlap=True)
+    opt2 = plain_opt(net2, R, T, g, t, overlap=True)
     ckpt = torch.load(path)
     net2.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["optim"])

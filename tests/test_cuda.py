@@ -13,27 +13,16 @@ from torch import nn
 from overlap_muon import OverlapMuon
 from tests.conftest import requires_cuda
 from tests.dist_utils import run_ranks
-from tests.models import PlainShardNet, block
+from tests.models import HP, PlainShardNet, block
+from tests.models import Deep as _Deep
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
-HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-
-
-class Deep(nn.Module):
-    def __init__(self, n=6, d=256):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(n)])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 def _train(overlap, side_streams=True, batch_ns=False, steps=4):
     torch.manual_seed(0)
-    model = Deep().cuda()
-    ref = Deep().cuda()
+    model = _Deep(d=256).cuda()
+    ref = _Deep(d=256).cuda()
     ref.load_state_dict(model.state_dict())
     opt = OverlapMuon(model, overlap=overlap, side_streams=side_streams, batch_ns=batch_ns, **HP)
     mu = torch.optim.Muon(ref.parameters(), **HP)

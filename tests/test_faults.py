@@ -19,18 +19,9 @@ import torch.distributed as dist
 
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, PlainShardNet, TinyNet, build_dtensor_model
+from tests.models import ADAMW_KW, HP, MUON_2D, PlainShardNet, TinyNet, build_dtensor_model, explicit_groups
 
-HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-MUON_2D = dict(muon_filter=lambda name, p: p.ndim == 2)
 EXCHANGE_RE = re.compile(r"OverlapMuon wave \d+ (a2a_to_home|a2a_from_home) failed")
-
-
-def _groups(R, T, g, t):
-    """Explicit TP (ranks sharing g) and remat (ranks sharing t) groups; every rank creates all of them."""
-    tp = [dist.new_group([gg * T + tt for tt in range(T)]) for gg in range(R)] if T > 1 else None
-    rm = [dist.new_group([gg * T + tt for gg in range(R)]) for tt in range(T)] if R > 1 else None
-    return (tp[g] if tp else None), (rm[t] if rm else None)
 
 
 def _chain(e: BaseException) -> list[str]:
@@ -146,7 +137,7 @@ def _fault_body(rank, world, R, T, point, fused, timeout_from_env, check_dtensor
         )
         o.close()
     net = PlainShardNet(R, T, g, t)
-    tp, rm = _groups(R, T, g, t)
+    tp, rm = explicit_groups(R, T, g, t)
     # ns_delay_s keeps each wave in flight long enough that a fault lands while exchanges are pending.
     opt, timeouts["plain"] = _new_group_timeouts(
         lambda: OverlapMuon(net, adamw_kwargs=ADAMW_KW, tp_group=tp, remat_group=rm, overlap=True, fused_a2a=fused,
@@ -261,7 +252,7 @@ def _net_and_opt(R=1, T=1, g=0, t=0, **kw):
     net = PlainShardNet(R, T, g, t)
     if R * T == 1:
         return net, OverlapMuon(net, adamw_kwargs=ADAMW_KW, overlap=True, **MUON_2D, **HP, **kw)
-    tp, rm = _groups(R, T, g, t)
+    tp, rm = explicit_groups(R, T, g, t)
     return net, OverlapMuon(net, adamw_kwargs=ADAMW_KW, tp_group=tp, remat_group=rm, overlap=True, **MUON_2D, **HP,
                             **kw)
 

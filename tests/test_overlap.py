@@ -11,24 +11,8 @@ from torch import nn
 
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, PlainShardNet, TinyNet, block, build_dtensor_model, local
+from tests.models import ADAMW_KW, HP, Deep, PlainShardNet, TinyNet, block, build_dtensor_model, local, plain_opt
 
-HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-MUON_2D = dict(muon_filter=lambda name, p: p.ndim == 2)
-
-
-def _groups(R, T, g, t):
-    """Explicit TP (ranks sharing g) and remat (ranks sharing t) groups; every rank creates all of them."""
-    tp = [dist.new_group([gg * T + tt for tt in range(T)]) for gg in range(R)] if T > 1 else None
-    rm = [dist.new_group([gg * T + tt for gg in range(R)]) for tt in range(T)] if R > 1 else None
-    return (tp[g] if tp else None), (rm[t] if rm else None)
-
-
-def _plain_opt(net, R, T, g, t, **kw):
-    if R * T == 1:
-        return OverlapMuon(net, adamw_kwargs=ADAMW_KW, **MUON_2D, **HP, **kw)
-    tp, rm = _groups(R, T, g, t)
-    return OverlapMuon(net, adamw_kwargs=ADAMW_KW, tp_group=tp, remat_group=rm, **MUON_2D, **HP, **kw)
 
 
 def _reference_plain(steps, micro=1, skip_fn=None):
@@ -77,7 +61,7 @@ def _on_off_plain(rank, world, R, T):
     for fused in (True, False):
         for overlap in (True, False):
             net = PlainShardNet(R, T, g, t)
-            opt = _plain_opt(net, R, T, g, t, overlap=overlap, fused_a2a=fused)
+            opt = plain_opt(net, R, T, g, t, overlap=overlap, fused_a2a=fused)
             for s in range(5):
                 cs, _ = net.local_grads(s)
                 net(cs).backward()
@@ -135,7 +119,7 @@ def _scrambled(rank, world, R, T):
     g, t = divmod(rank, T)
     fulls, mu = _reference_plain(4)
     net = PlainShardNet(R, T, g, t)
-    opt = _plain_opt(net, R, T, g, t, overlap=True, wave_slots=1)
+    opt = plain_opt(net, R, T, g, t, overlap=True, wave_slots=1)
     launched = []
     orig = opt._dispatcher._launch
     opt._dispatcher._launch = lambda w: (launched.append(w.index), orig(w))[1]
@@ -169,7 +153,7 @@ def _accumulate(rank, world, R, T):
     g, t = divmod(rank, T)
     fulls, mu = _reference_plain(2, micro=5)
     net = PlainShardNet(R, T, g, t)
-    opt = _plain_opt(net, R, T, g, t, overlap=True)
+    opt = plain_opt(net, R, T, g, t, overlap=True)
     bad = []
     for s in range(2):
         before = opt.stats["ns_matrices"]
@@ -212,7 +196,7 @@ def _unused(rank, world, R, T):
     fulls, mu = _reference_plain(4, skip_fn=skip)
     net = PlainShardNet(R, T, g, t)
     l5_before = net.l5.weight.detach().clone()
-    opt = _plain_opt(net, R, T, g, t, overlap=True, wave_slots=1)
+    opt = plain_opt(net, R, T, g, t, overlap=True, wave_slots=1)
     for s in range(4):
         cs, _ = net.local_grads(s)
         net(cs, skip=skip(s)).backward()
@@ -236,17 +220,6 @@ def test_unused_and_sometimes_used_params(R, T):
 # ---------------------------------------------------------------------------------------------------------------
 # overlap really happens (order of timestamps, not durations)
 # ---------------------------------------------------------------------------------------------------------------
-class Deep(nn.Module):
-    def __init__(self, n=6, d=16):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(n)])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 def test_ns_starts_inside_backward_and_forward_waits_only_for_its_wave():
     torch.manual_seed(0)
     model = Deep()
@@ -365,7 +338,7 @@ def _observed(rank, world, R, T):
     g, t = divmod(rank, T)
     fulls, mu = _reference_plain(4)
     net = PlainShardNet(R, T, g, t)
-    opt = _plain_opt(net, R, T, g, t, overlap=True, wave_slots=2, readiness_order="observed")
+    opt = plain_opt(net, R, T, g, t, overlap=True, wave_slots=2, readiness_order="observed")
     order = ["l3", "l0", "l5", "l1", "l4", "l2"]  # backward reaches them in the reverse of this order
     for s in range(4):
         cs, _ = net.local_grads(s)

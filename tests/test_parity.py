@@ -12,7 +12,6 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
 
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks

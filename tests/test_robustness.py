@@ -18,29 +18,24 @@ from torch.utils.checkpoint import checkpoint
 
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, PARTITION, PlainShardNet, TinyNet, block, build_dtensor_model, local, set_grad
+from tests.models import (
+    ADAMW_KW,
+    HP,
+    PARTITION,
+    PlainShardNet,
+    TinyNet,
+    block,
+    build_dtensor_model,
+    local,
+    plain_opt,
+    set_grad,
+)
 
-HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-MUON_2D = dict(muon_filter=lambda name, p: p.ndim == 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------------
-def _groups(R, T, g, t):
-    """Explicit TP (ranks sharing g) and remat (ranks sharing t) groups; every rank creates all of them."""
-    tp = [dist.new_group([gg * T + tt for tt in range(T)]) for gg in range(R)] if T > 1 else None
-    rm = [dist.new_group([gg * T + tt for gg in range(R)]) for tt in range(T)] if R > 1 else None
-    return (tp[g] if tp else None), (rm[t] if rm else None)
-
-
-def _opt(model, R, T, g, t, **kw):
-    if R * T == 1:
-        return OverlapMuon(model, adamw_kwargs=ADAMW_KW, **HP, **kw)
-    tp, rm = _groups(R, T, g, t)
-    return OverlapMuon(model, adamw_kwargs=ADAMW_KW, tp_group=tp, remat_group=rm, **HP, **kw)
-
-
 def _exact(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal values, NaN == NaN (same positions)."""
     try:
@@ -196,7 +191,7 @@ def _check_tied_plain(R, T, g, t):
     for overlap in (True, False):
         net = PlainShardNet(R, T, g, t)
         net.l4.weight = net.l0.weight
-        opt = _opt(net, R, T, g, t, overlap=overlap, **MUON_2D)
+        opt = plain_opt(net, R, T, g, t, overlap=overlap)
         for s in range(steps):
             net(_local_grads(grads[s], R, T, g, t)).backward()
             opt.step()
@@ -263,7 +258,7 @@ def _ckpt_runs(R, T, g, t) -> list[str]:
     def run(segments=(), reentrant=True):
         torch.manual_seed(0)
         model = _Deep(segments=segments, reentrant=reentrant, replicated_tp=T > 1)
-        opt = _opt(model, R, T, g, t, overlap=True)
+        opt = plain_opt(model, R, T, g, t, all_2d=False, overlap=True)
         for s in range(CKPT_STEPS):
             x = xs[s].clone().requires_grad_(True)  # a reentrant segment at layer 0 needs an input that requires grad
             model(x).pow(2).mean().backward()
@@ -335,7 +330,7 @@ def _check_nonfinite_plain(R, T, g, t):
         for overlap in (True, False):
             # skip_nonfinite=True: the bad step is skipped on every rank, the others match a reference without it
             net = PlainShardNet(R, T, g, t)
-            opt = _opt(net, R, T, g, t, overlap=overlap, skip_nonfinite=True, **MUON_2D)
+            opt = plain_opt(net, R, T, g, t, overlap=overlap, skip_nonfinite=True)
             tag = f"{R}x{T} {kind} overlap={overlap} skip"
             for s in range(NF_STEPS):
                 if s == BAD_STEP:
@@ -352,7 +347,7 @@ def _check_nonfinite_plain(R, T, g, t):
             opt.close()
             # skip_nonfinite=False: NaN/inf propagate exactly as in torch.optim.Muon
             net = PlainShardNet(R, T, g, t)
-            opt = _opt(net, R, T, g, t, overlap=overlap, skip_nonfinite=False, **MUON_2D)
+            opt = plain_opt(net, R, T, g, t, overlap=overlap, skip_nonfinite=False)
             for s in range(NF_STEPS):
                 net(_local_grads(grads[s], R, T, g, t)).backward()
                 opt.step()

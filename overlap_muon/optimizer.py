@@ -657,7 +657,15 @@ class OverlapMuon(torch.optim.Optimizer):
         return out  # type: ignore[return-value]
 
     def _wait_module(self, module: nn.Module) -> None:
-        waves = sorted({self._wave_of[i] for i in self._module_params.get(module, ())})
+        """Forward pre-hook body: wait for the waves of ``module``'s params, and of the modules FSDP2 will
+        prefetch from ``module``'s pre-forward (``set_modules_to_forward_prefetch``), since that all-gather reads
+        their shards before their own pre-hooks run."""
+        mods = [module]
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            for other in getattr(state, "_states_to_forward_prefetch", ()):
+                mods.extend(getattr(other, "_modules", ()))
+        waves = sorted({self._wave_of[i] for m in mods for i in self._module_params.get(m, ())})
         for k in waves:
             h = self._handles.get(k)
             if h is None:

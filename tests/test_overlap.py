@@ -361,3 +361,47 @@ def test_observed_readiness_order_is_rank0s_and_exact():
     names = list(PlainShardNet.SHAPES)
     first = [names[i] for i in res[0][1][0]]
     assert first[0] == "l2"  # rank 0's backward reached l2 first (it was added last in its forward)
+
+
+class _ReversedDeep(Deep):
+    """Layers used in reverse registration order, so the default wave order (reverse registration) is not the
+    backward order: the waves of later-used blocks can still be in flight when an earlier block prefetches."""
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _fsdp_prefetch(rank, world):
+    """FSDP2 explicit forward prefetch all-gathers the next block inside this block's pre-forward, before the
+    next block's own wait hook runs: the runtime must wait for the prefetched block's waves there too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    finals = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("remat",))
+        model = _ReversedDeep(n=4)
+        order = list(reversed(model.layers))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for a, b in zip(order, order[1:]):
+            a.set_modules_to_forward_prefetch([b])
+        opt = OverlapMuon(model, device_mesh=mesh, overlap=overlap, wave_slots=1, ns_delay_s=0.02, **HP)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+        for _ in range(3):
+            model(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        finals.append([p.full_tensor().clone() for p in model.parameters()])
+        opt.close()
+    return all(torch.equal(a, b) for a, b in zip(*finals))
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_forward_prefetch_waits_for_prefetched_waves():
+    assert all(run_ranks(_fsdp_prefetch, 2, timeout=100))

@@ -648,6 +648,10 @@ _COUNTED = ("all_to_all_single", "all_gather_single", "all_gather_into_tensor", 
             "all_reduce", "broadcast", "reduce_scatter_tensor", "barrier")
 
 
+#: The collectives that move optimizer data; the rest (a per-wave all_reduce of gradient-presence flags) is control.
+_DATA_OPS = ("all_to_all_single", "all_gather_single", "all_gather_into_tensor", "all_gather", "all_to_all")
+
+
 class _CommCounter:
     """Wraps ``torch.distributed`` collectives in this process: calls, input bytes and bytes leaving the rank.
 
@@ -666,6 +670,7 @@ class _CommCounter:
         self.calls: dict[str, int] = {}
         self.input_bytes = 0
         self.sent_bytes = 0
+        self.data_sent_bytes = 0  # moved by the data collectives (all_to_all / all_gather), not control flags
 
     def install(self) -> None:
         for name in _COUNTED:
@@ -725,6 +730,8 @@ class _CommCounter:
             self.calls[name] = self.calls.get(name, 0) + 1
             self.input_bytes += nbytes
             self.sent_bytes += sent
+            if name in _DATA_OPS:
+                self.data_sent_bytes += sent
 
 
 def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps: int) -> dict[str, Any]:
@@ -758,6 +765,7 @@ def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps
                 "calls_per_step": {k: v / steps for k, v in counter.calls.items()},
                 "input_bytes_per_step": counter.input_bytes / steps,
                 "sent_bytes_per_step": counter.sent_bytes / steps,
+                "data_sent_bytes_per_step": counter.data_sent_bytes / steps,
             }
     finally:
         counter.uninstall()
@@ -781,16 +789,20 @@ def _case_comm(o: _Options) -> _CaseResult:
                  f"shard_bytes {shard[0]:,} B in bf16)")
     for name, key in (("fused", "fused_bytes_over_ideal"), ("two_stage", "two_stage_bytes_over_ideal"),
                       ("duplicated", "duplicated_bytes_over_ideal")):
-        sent = [r[name]["sent_bytes_per_step"] for r in res]
+        sent = [r[name]["data_sent_bytes_per_step"] for r in res]
         mean = sum(sent) / S
         calls = res[0][name]["calls_per_step"]
-        ncalls = sum(calls.values())
+        ndata = sum(v for op, v in calls.items() if op in _DATA_OPS)
+        nctrl = sum(v for op, v in calls.items() if op not in _DATA_OPS)
         ratios[key] = _ratio(mean, ideal_mean)
         det[name] = {"sent_bytes_per_rank_per_step": sent, "mean_sent_bytes": mean,
+                     "all_sent_bytes_per_rank_per_step": [r[name]["sent_bytes_per_step"] for r in res],
                      "input_bytes_per_rank_per_step": [r[name]["input_bytes_per_step"] for r in res],
-                     "collectives_per_step": ncalls, "calls_per_step_by_op": calls}
+                     "collectives_per_step": ndata, "control_collectives_per_step": nctrl,
+                     "calls_per_step_by_op": calls}
         lines.append(f"{name:<11} {mean:>12,.0f} B sent per rank per step  (per rank {[int(s) for s in sent]}), "
-                     f"{ncalls:g} collectives per step {calls}; / ideal = {ratios[key]:.4f}")
+                     f"{ndata:g} data collectives + {nctrl:g} gradient-presence all_reduce per step {calls}; "
+                     f"/ ideal = {ratios[key]:.4f}")
     return _CaseResult(f"bytes and collectives per rank per step, {R}x{T} domain (world {S}), overlap off",
                        ratios, lines, det)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -76,8 +77,8 @@ class OverlapMuonConfig:
         for name in ("overlap", "fused_a2a", "batch_ns", "side_streams", "nvtx"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not (isinstance(self.pg_timeout_s, (int, float)) and self.pg_timeout_s > 0):
-            raise ValueError(f"pg_timeout_s must be a positive number of seconds, got {self.pg_timeout_s!r}")
+        if not (isinstance(self.pg_timeout_s, (int, float)) and self.pg_timeout_s > 0 and math.isfinite(self.pg_timeout_s)):
+            raise ValueError(f"pg_timeout_s must be a positive, finite number of seconds, got {self.pg_timeout_s!r}")
 
     def describe(self) -> str:
         """One line: every toggle, its value and its source."""
@@ -124,8 +125,8 @@ def _parse_env(name: str, var: str, raw: str) -> Any:
             x = float(raw.strip())
         except ValueError:
             raise ValueError(f"{var}={raw!r}: expected a positive number of seconds") from None
-        if not x > 0:
-            raise ValueError(f"{var}={raw!r}: expected a positive number of seconds")
+        if not (x > 0 and math.isfinite(x)):
+            raise ValueError(f"{var}={raw!r}: expected a positive, finite number of seconds")
         return x
     raise AssertionError(name)
 

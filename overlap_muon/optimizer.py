@@ -100,6 +100,10 @@ class OverlapMuon(torch.optim.Optimizer):
             rank (params, momentum and AdamW untouched; ``stats["skipped_steps"]`` counts them). Costs one
             all-reduce of a flag per step and moves each wave's apply after ``step()``. Off by default, which
             matches ``torch.optim.Muon`` (NaNs propagate).
+        check_grad_presence: each wave first checks, with one small all-reduce over the domain, that every rank
+            agrees on which of its params have a gradient, and raises ``ValueError`` on every rank if not
+            (instead of mismatched exchanges waiting until the timeout). ``False`` saves that collective when
+            gradient presence is known to match (FSDP2/TP models compute the same params on every rank).
         ns_delay_s: test hook: seconds slept before each NS task (makes overlap observable on CPU).
 
     Raises:
@@ -137,6 +141,7 @@ class OverlapMuon(torch.optim.Optimizer):
         pg_timeout_s: float | None = None,
         readiness_order: str = "reverse",
         skip_nonfinite: bool = False,
+        check_grad_presence: bool = True,
         ns_delay_s: float = 0.0,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -156,6 +161,8 @@ class OverlapMuon(torch.optim.Optimizer):
         if not (isinstance(eps, (int, float)) and eps >= 0):
             raise ValueError(f"eps should be >= 0 but is: {eps}")
         _schedule(ns_coefficients, ns_steps)  # validates
+        if not (isinstance(ns_delay_s, (int, float)) and ns_delay_s >= 0):
+            raise ValueError(f"ns_delay_s must be >= 0 seconds, got {ns_delay_s!r}")
         if readiness_order not in ("reverse", "observed"):
             raise ValueError(f"readiness_order must be 'reverse' or 'observed', got {readiness_order!r}")
         if muon_filter is not None and not callable(muon_filter):
@@ -259,6 +266,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self._handles: dict[int, LaneHandle] = {}  # wave index -> its final (apply) task, this step
         self._inflight: list[LaneHandle] = []  # every task launched and not yet waited for
         self.skip_nonfinite = bool(skip_nonfinite)
+        self.check_grad_presence = bool(check_grad_presence)
         self._staged: list[tuple[int, LaneHandle, LaneHandle, Callable]] = []  # skip_nonfinite: applies awaiting the verdict
         self._route_plans: dict[Any, dict] = {}
         self._lock = threading.RLock()
@@ -494,6 +502,12 @@ class OverlapMuon(torch.optim.Optimizer):
     def _on_ready(self, i: int) -> None:
         if self._accumulating:
             return
+        if self._dispatcher.launched > self._wave_of[i]:
+            raise RuntimeError(
+                f"OverlapMuon: Muon param {self._muon[i].name!r} received another gradient after its wave was "
+                "launched in this step (a second backward before step()). For gradient accumulation run every "
+                "micro-batch but the last under `with opt.no_sync():`, or use overlap=False."
+            )
         if self._recorder is not None:
             self._recorder.mark_ready(i)
         self._dispatcher.mark_ready(i)
@@ -512,7 +526,11 @@ class OverlapMuon(torch.optim.Optimizer):
         items = [i for i in wave.params if self._muon[i].param.grad is not None]
         self.stats["waves_launched"] += 1
         self._record("launch", wave.index)
-        if not items:
+        # [Note: gradient presence] Which params take part is decided per rank (a param without a gradient is
+        # skipped, as torch.optim.Muon does). Ranks that disagree would post mismatched all_to_alls and wait
+        # until the timeout, so each wave first agrees on it (one small all-reduce on the same lane and group).
+        check = self.check_grad_presence and self._dom_to.flat_group is not None
+        if not items and not check:
             return
         k = wave.index
         lr = group["lr"]
@@ -547,7 +565,11 @@ class OverlapMuon(torch.optim.Optimizer):
                     f"runtime's {self._group_desc(dom)}; params {[m.name for m in mps]}): {e}"
                 ) from e
 
-        def to_home_task() -> tuple[list[Tensor], list[Tensor], list[int], list[Tensor]]:
+        def to_home_task() -> tuple[list[Tensor], list[Tensor], list[int], list[Tensor]] | None:
+            if check:
+                self._agree_on_gradients(wave, items, dom_to)
+                if not items:  # no rank has a gradient for this wave
+                    return None
             with prof_range(wave_range_name(k, "pack"), nvtx=nv):
                 packed, new_bufs = [], []
                 for g, buf in zip(grads, bufs):
@@ -570,7 +592,9 @@ class OverlapMuon(torch.optim.Optimizer):
                     )
             return packed, fulls, mine, new_bufs
 
-        def ns_task() -> list[Tensor]:
+        def ns_task() -> list[Tensor] | None:
+            if h_to.result() is None:
+                return None
             fulls = h_to.result()[1]
             self._record("ns_start", k)
             with prof_range(wave_range_name(k, "ns"), nvtx=nv):
@@ -585,7 +609,9 @@ class OverlapMuon(torch.optim.Optimizer):
                     p.mul_(1 - lr * wd)
                     p.add_(o, alpha=-adjusted_lr(lr, adj, m.full_shape))
 
-        def from_home_task() -> list[Tensor]:
+        def from_home_task() -> list[Tensor] | None:
+            if h_to.result() is None:
+                return None
             packed, _, mine, new_bufs = h_to.result()
             outs = h_ns.result()
             with prof_range(wave_range_name(k, "a2a_from_home"), nvtx=nv):
@@ -619,12 +645,34 @@ class OverlapMuon(torch.optim.Optimizer):
                 continue
 
             def task(h_to: LaneHandle = h_to, h_from: LaneHandle = h_from, apply: Callable = apply) -> None:
-                apply(h_from.result(), h_to.result()[3])
+                if h_to.result() is not None:
+                    apply(h_from.result(), h_to.result()[3])
 
             h = self._lanes.submit("from_home", task, deps=[h_from])
             with self._lock:
                 self._handles[k] = h
                 self._inflight.append(h)
+
+    def _agree_on_gradients(self, wave: Wave, items: list[int], dom: Domain) -> None:
+        """Raise on every rank of the domain if its ranks disagree on which params of ``wave`` have a gradient.
+
+        Raises:
+            ValueError: some params have a gradient on some ranks of the domain and not on others.
+        """
+        g = dom.flat_group
+        dev = self._device() if dist.get_backend(g) == "nccl" else torch.device("cpu")
+        have = torch.tensor([1 if i in items else 0 for i in wave.params], dtype=torch.int32, device=dev)
+        both = torch.cat([have, -have])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g)
+        n = len(wave.params)
+        hi, lo = both[:n].tolist(), [-x for x in both[n:].tolist()]
+        split = [self._muon[i].name for i, a, b in zip(wave.params, hi, lo) if a != b]
+        if split:
+            raise ValueError(
+                f"Muon params {split} have a gradient on some ranks of the {dom.remat_size}x{dom.tp_size} domain "
+                f"and not on others (this rank: {[self._muon[i].name for i in items if self._muon[i].name in split]} "
+                "have one); every rank of a domain must compute the same params' gradients"
+            )
 
     def _group_desc(self, dom: Domain) -> str:
         if self.config.fused_a2a or self.config.mode == "duplicated":

@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=_PROG,
         description=__doc__.split("\n\n")[0],
         epilog="overlap_muon toggles (environment): OVERLAP_MUON_MODE=layer_sharded|duplicated, OVERLAP_MUON_OVERLAP, "
-        "OVERLAP_MUON_FUSED_A2A, OVERLAP_MUON_BATCH_NS (1|0), OVERLAP_MUON_BALANCE=lpt|round_robin, "
-        "OVERLAP_MUON_WAVE_SLOTS=N.",
+        "OVERLAP_MUON_FUSED_A2A, OVERLAP_MUON_BATCH_NS, OVERLAP_MUON_SIDE_STREAMS, OVERLAP_MUON_NVTX (1|0), "
+        "OVERLAP_MUON_BALANCE=lpt|round_robin, OVERLAP_MUON_WAVE_SLOTS=N, OVERLAP_MUON_PG_TIMEOUT_S=seconds.",
     )
     a = p.add_argument
     a("--optimizer", choices=_OPTIMIZERS, default="overlap_muon", help="default: %(default)s")

@@ -88,7 +88,8 @@ def test_mode_balance_slots_timeout_toggles():
     assert resolve_config({"OVERLAP_MUON_PG_TIMEOUT_S": "30"}).pg_timeout_s == 30.0
     for var, raw in [("OVERLAP_MUON_MODE", "sharded"), ("OVERLAP_MUON_BALANCE", "greedy"),
                      ("OVERLAP_MUON_WAVE_SLOTS", "0"), ("OVERLAP_MUON_WAVE_SLOTS", "x"),
-                     ("OVERLAP_MUON_PG_TIMEOUT_S", "-1"), ("OVERLAP_MUON_PG_TIMEOUT_S", "soon")]:
+                     ("OVERLAP_MUON_PG_TIMEOUT_S", "-1"), ("OVERLAP_MUON_PG_TIMEOUT_S", "soon"),
+                     ("OVERLAP_MUON_PG_TIMEOUT_S", "inf"), ("OVERLAP_MUON_PG_TIMEOUT_S", "nan")]:
         with pytest.raises(ValueError, match=var):
             resolve_config({var: raw})
     cfg = resolve_config({})

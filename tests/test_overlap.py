@@ -405,3 +405,43 @@ def _fsdp_prefetch(rank, world):
 @pytest.mark.timeout(120)
 def test_fsdp_forward_prefetch_waits_for_prefetched_waves():
     assert all(run_ranks(_fsdp_prefetch, 2, timeout=100))
+
+
+def _split_presence(rank, world, overlap):
+    """Regression: a param with a gradient on rank 1 only used to leave rank 1 in its all_to_all until the
+    process-group timeout while rank 0 reported success (and, without overlap, replicas silently diverged)."""
+    net = PlainShardNet(1, world, 0, rank)
+    opt = plain_opt(net, 1, world, 0, rank, overlap=overlap, wave_slots=6)
+    cs, _ = net.local_grads(0)
+    skip = ("l2",) if rank == 0 else ()
+    try:
+        net(cs, skip=skip).backward()
+        opt.step()
+        opt.synchronize()
+    except (ValueError, RuntimeError) as e:
+        msg = str(e) + " " + str(e.__cause__ or "")
+        ok = "'l2.weight'" in msg and "some ranks" in msg
+    else:
+        ok = False
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the default group still works
+    return ok and t.item() == world
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gradient_on_some_ranks_only_is_an_error_everywhere(overlap):
+    assert all(run_ranks(_split_presence, 2, overlap, timeout=60, pg_timeout=30))
+
+
+def test_second_backward_without_no_sync_is_an_error():
+    """Regression: a second backward before step() in overlap mode used to be ignored by Muon (its wave had
+    already launched with the first micro-batch's gradient) while AdamW saw the sum."""
+    torch.manual_seed(0)
+    model = Deep(n=2)
+    opt = OverlapMuon(model, overlap=True, **HP)
+    x = torch.randn(2, 16)
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        model(x).sum().backward()
+    opt.close()

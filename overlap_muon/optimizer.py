@@ -100,7 +100,7 @@ class OverlapMuon(torch.optim.Optimizer):
             rank (params, momentum and AdamW untouched; ``stats["skipped_steps"]`` counts them). Costs one
             all-reduce of a flag per step and moves each wave's apply after ``step()``. Off by default, which
             matches ``torch.optim.Muon`` (NaNs propagate).
-        check_grad_presence: each wave first checks, with one small all-reduce over the domain, that every rank
+        check_grad_presence: each wave first checks, with one small all_to_all over the domain, that every rank
             agrees on which of its params have a gradient, and raises ``ValueError`` on every rank if not
             (instead of mismatched exchanges waiting until the timeout). ``False`` saves that collective when
             gradient presence is known to match (FSDP2/TP models compute the same params on every rank).
@@ -528,7 +528,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self._record("launch", wave.index)
         # [Note: gradient presence] Which params take part is decided per rank (a param without a gradient is
         # skipped, as torch.optim.Muon does). Ranks that disagree would post mismatched all_to_alls and wait
-        # until the timeout, so each wave first agrees on it (one small all-reduce on the same lane and group).
+        # until the timeout, so each wave first agrees on it (one small all_to_all on the same lane and group).
         check = self.check_grad_presence and self._dom_to.flat_group is not None
         if not items and not check:
             return
@@ -558,6 +558,8 @@ class OverlapMuon(torch.optim.Optimizer):
             # Name the exchange in the error: a dead or stuck peer shows up here as a gloo/NCCL error or timeout.
             try:
                 return fn()
+            except ValueError:
+                raise  # bad input, already named (raised on every rank before the collective)
             except Exception as e:
                 raise RuntimeError(
                     f"OverlapMuon wave {k} {phase} failed on rank {self._rank} "
@@ -567,7 +569,7 @@ class OverlapMuon(torch.optim.Optimizer):
 
         def to_home_task() -> tuple[list[Tensor], list[Tensor], list[int], list[Tensor]] | None:
             if check:
-                self._agree_on_gradients(wave, items, dom_to)
+                exchange("a2a_to_home", dom_to, lambda: self._agree_on_gradients(wave, items, dom_to))
                 if not items:  # no rank has a gradient for this wave
                     return None
             with prof_range(wave_range_name(k, "pack"), nvtx=nv):
@@ -654,19 +656,22 @@ class OverlapMuon(torch.optim.Optimizer):
                 self._inflight.append(h)
 
     def _agree_on_gradients(self, wave: Wave, items: list[int], dom: Domain) -> None:
-        """Raise on every rank of the domain if its ranks disagree on which params of ``wave`` have a gradient.
+        """Raise on every rank of the domain if its ranks disagree on which params of ``wave`` have a gradient
+        (each rank sends its 1-byte-per-param flags to every peer: one small ``all_to_all``).
 
         Raises:
             ValueError: some params have a gradient on some ranks of the domain and not on others.
         """
         g = dom.flat_group
         dev = self._device() if dist.get_backend(g) == "nccl" else torch.device("cpu")
-        have = torch.tensor([1 if i in items else 0 for i in wave.params], dtype=torch.int32, device=dev)
-        both = torch.cat([have, -have])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g)
-        n = len(wave.params)
-        hi, lo = both[:n].tolist(), [-x for x in both[n:].tolist()]
-        split = [self._muon[i].name for i, a, b in zip(wave.params, hi, lo) if a != b]
+        have = torch.tensor([1 if i in items else 0 for i in wave.params], dtype=torch.uint8, device=dev)
+        # An all_to_all rather than an all_reduce: every rank hears from every peer directly, so a dead peer
+        # shows as a reset connection at once instead of as a ring neighbour's timeout.
+        everyone = torch.empty(dom.size * have.numel(), dtype=torch.uint8, device=dev)
+        dist.all_to_all_single(everyone, have.repeat(dom.size), group=g)
+        table = everyone.view(dom.size, -1)
+        agree = (table == table[0]).all(dim=0).tolist()
+        split = [self._muon[i].name for i, ok in zip(wave.params, agree) if not ok]
         if split:
             raise ValueError(
                 f"Muon params {split} have a gradient on some ranks of the {dom.remat_size}x{dom.tp_size} domain "

@@ -16,6 +16,7 @@ OpenMP thread pool (which plain ``fork`` would, and which can deadlock).
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -62,7 +63,11 @@ def _worker(fn, rank, world_size, port, pg_timeout_s, env, args, kwargs, out_q, 
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
         result = fn(rank, world_size, *args, **kwargs)
-        out_q.put((rank, True, result))
+        # By value: a tensor put on the queue directly travels as a shared-memory fd that the parent fetches
+        # from this process later, which fails once this process has exited.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        out_q.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt from a kill
         out_q.put((rank, False, traceback.format_exc()))
     finally:
@@ -71,6 +76,12 @@ def _worker(fn, rank, world_size, port, pg_timeout_s, env, args, kwargs, out_q, 
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def _decode(ok: bool, payload: Any) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=False) if ok else payload
 
 
 def run_ranks(
@@ -123,7 +134,7 @@ def run_ranks(
             break
         try:
             rank, ok, payload = out_q.get(timeout=min(remaining, 1.0))
-            results[rank] = (ok, payload)
+            results[rank] = (ok, _decode(ok, payload))
         except queue.Empty:
             # A rank that died without reporting (segfault, os._exit) is a failure, not a wait.
             dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
@@ -131,7 +142,7 @@ def run_ranks(
                 try:
                     while True:
                         rank, ok, payload = out_q.get(timeout=0.5)
-                        results[rank] = (ok, payload)
+                        results[rank] = (ok, _decode(ok, payload))
                 except queue.Empty:
                     pass
                 for r in dead:

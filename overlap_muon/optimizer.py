@@ -286,6 +286,7 @@ class OverlapMuon(torch.optim.Optimizer):
                 [m.param for m in self._muon], self._on_ready, on_backward_end=self._on_backward_end
             )
             self._register_waits(model)
+        self._built = True
         if self._rank == 0:
             logger.info("%s", self.config.describe())
 
@@ -444,6 +445,20 @@ class OverlapMuon(torch.optim.Optimizer):
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group["amsgrad"]:
                     st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only during construction: the Muon params, their domain layout, homes, waves and hooks are planned
+        once from the model.
+
+        Raises:
+            ValueError: called after construction (build a new ``OverlapMuon`` for a changed model).
+        """
+        if getattr(self, "_built", False):
+            raise ValueError(
+                "OverlapMuon plans its params, homes, waves and hooks at construction; add_param_group is not "
+                "supported afterwards: build a new OverlapMuon for the changed model"
+            )
+        super().add_param_group(param_group)
 
     def _link_adamw(self) -> None:
         """Share state and param-group dicts with the inner AdamW, so LR schedulers and state_dict see both."""

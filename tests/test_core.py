@@ -109,6 +109,8 @@ def test_env_toggle_reaches_optimizer(monkeypatch):
     opt = OverlapMuon(nn.Linear(4, 4), overlap=True)
     assert opt.config.overlap is True and opt.config.sources["overlap"] == "argument"
     opt.close()
+    with pytest.raises(ValueError, match="add_param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
     monkeypatch.setenv("OVERLAP_MUON_OVERLAP", "maybe")
     with pytest.raises(ValueError, match="OVERLAP_MUON_OVERLAP"):
         OverlapMuon(nn.Linear(4, 4))

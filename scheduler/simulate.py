@@ -243,6 +243,9 @@ class SimConfig:
     """Shrink the last two waves (``scheduler.plan_waves``)."""
     fused_a2a: bool = True
     """One all_to_all over the flat domain per direction (else two stages: remat group, then TP group)."""
+    grad_presence_check: bool = True
+    """Each wave first exchanges one byte per matrix with every peer (the runtime's gradient-presence check):
+    one more latency-bound all_to_all per wave on the to-home lane."""
     ns_interference: float = 0.0
     """How much NS and the training step slow each other on a GPU, in [0, 1]: both run at ``1/(1+x)`` speed
     while both are busy (0: no contention, 1: throughput shared)."""
@@ -579,9 +582,10 @@ def _exchange_s(cfg: SimConfig, shard_bytes: list[float], homes: list[int]) -> f
 def _collectives_per_wave(cfg: SimConfig) -> int:
     if cfg.domain_size == 1:
         return 0
+    check = int(cfg.grad_presence_check)
     if cfg.fused_a2a:
-        return 2
-    return 2 * (int(cfg.remat_size > 1) + int(cfg.tp_size > 1))
+        return 2 + check
+    return 2 * (int(cfg.remat_size > 1) + int(cfg.tp_size > 1)) + check
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -744,6 +748,7 @@ def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan]]:
             work[w.homes[i]] += ns_s[i]
         shard_elems = [shapes[i][0] * shapes[i][1] / S for i in w.params]
         ex = _exchange_s(cfg, [e * _WIRE_BYTES for e in shard_elems], [w.homes[i] for i in w.params])
+        check = _a2a_s(cfg, float(len(w.params) * (S - 1)), S, 1) if cfg.grad_presence_check else 0.0
         elems = sum(shard_elems)
         pack = apply = 0.0
         if cfg.elementwise_bytes_per_s is not None:
@@ -754,7 +759,7 @@ def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan]]:
             _WavePlan(
                 params=w.params,
                 ns_work=tuple(work),
-                to_home_s=pack + ex,
+                to_home_s=check + pack + ex,
                 from_home_s=ex + apply,
                 launch_layer=min(layers),
                 first_layer=min(layers),

@@ -78,22 +78,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import inspect
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
-import queue
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -106,6 +101,7 @@ from torch import Tensor, nn
 
 from scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_homes
 
+from ._spawn import spawn_ranks
 from .domain import chunk_sizes
 from .ns import zeropower
 from .optimizer import OverlapMuon
@@ -316,8 +312,6 @@ def _two_thread_speedup(seconds: float = 0.3) -> float:
 # Spawning gloo ranks
 # ----------------------------------------------------------------------------------------------------------------
 
-_CTX: Any = None
-
 # A forkserver child launched from `python -m overlap_muon.bench` re-runs this module as its __mp_main__ while the
 # preloaded copy is already in sys.modules; runpy then warns that this "may result in unpredictable behaviour".
 # Nothing here depends on __main__ (spawned functions are pickled by their overlap_muon.bench names), so the
@@ -327,41 +321,6 @@ warnings.filterwarnings(
 )
 
 
-def _context() -> Any:
-    """A forkserver context that has imported torch and this module once; a rank then starts in milliseconds."""
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "overlap_muon.bench"])
-    return _CTX
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout_s: float, args: tuple,
-                out_q: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
-        out_q.put((rank, True, fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - every failure goes back to the parent with its traceback
-        out_q.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
-
 def _run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
 
@@ -369,49 +328,11 @@ def _run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float)
         RuntimeError: a rank raised (its traceback is in the message), died, or the group ran past
             ``timeout_s`` seconds (the ranks still alive are killed).
     """
-    ctx = _context()
-    port = _free_port()
-    out_q = ctx.Queue()
-    pg_timeout = max(10.0, timeout_s)
-    procs = [
-        ctx.Process(target=_rank_entry, args=(fn, r, world, port, pg_timeout, args, out_q), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                rank, ok, payload = out_q.get(timeout=min(left, 1.0))
-                results[rank] = (ok, payload)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                if dead:
-                    with contextlib.suppress(queue.Empty):
-                        while True:
-                            rank, ok, payload = out_q.get(timeout=0.5)
-                            results[rank] = (ok, payload)
-                    for r in dead:
-                        results.setdefault(r, (False, f"rank {r} exited with code {procs[r].exitcode}"))
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    errors = [f"--- rank {r} ---\n{payload}" for r, (ok, payload) in sorted(results.items()) if not ok]
-    hung = [r for r in range(world) if r not in results]
-    if hung:
-        errors.append(f"ranks {hung} gave no result within {timeout_s:.0f} s and were killed")
+    res = spawn_ranks(fn, world, *args, timeout=timeout_s, pg_timeout=max(10.0, timeout_s))
+    errors = [f"--- rank {r} ---\n{payload}" for r, (ok, payload) in enumerate(res) if not ok]
     if errors:
         raise RuntimeError(f"{fn.__name__} on {world} ranks failed:\n" + "\n".join(errors))
-    return [results[r][1] for r in range(world)]
+    return [payload for _, payload in res]
 
 
 # ----------------------------------------------------------------------------------------------------------------

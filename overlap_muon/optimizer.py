@@ -204,9 +204,14 @@ class OverlapMuon(torch.optim.Optimizer):
         R, T, layouts, mesh_err = self._domain_layout(device_mesh, tp_group, remat_group)
         if mesh_err:
             errors.append(mesh_err)
+        g = t = 0
+        for lay in layouts if (layouts is not None and self._dist) else ():
+            for gg, row in enumerate(lay):
+                if self._rank in row:
+                    g, t = gg, row.index(self._rank)
         self._muon: list[_MuonParam] = []
         for i, (name, p) in enumerate(muon_named):
-            mp, err = self._describe_param(i, name, p, device_mesh, R, T, layouts)
+            mp, err = self._describe_param(i, name, p, device_mesh, R, T, g, t)
             if err:
                 errors.append(err)
             else:
@@ -224,6 +229,7 @@ class OverlapMuon(torch.optim.Optimizer):
             self._dom_to = self._dom_from = Domain.single()
             self._ctrl_group = None
         self.domain = self._dom_to
+        """This rank's :class:`~overlap_muon.domain.Domain` (sizes R x T, coordinates g, t)."""
 
         # ---- optimizer plumbing ---------------------------------------------------------------------------
         self._adamw = torch.optim.AdamW(adamw_params, **(adamw_kwargs or {})) if adamw_params else None
@@ -254,7 +260,6 @@ class OverlapMuon(torch.optim.Optimizer):
 
         # ---- plan -------------------------------------------------------------------------------------------
         self._costs = [float(ns_flops(m.full_shape, ns_steps)) for m in self._muon]
-        self._readiness_order = readiness_order
         self._order = list(reversed(range(len(self._muon))))
         self._recorder: ReadinessRecorder | None = (
             ReadinessRecorder(len(self._muon)) if readiness_order == "observed" and self._muon else None
@@ -348,14 +353,8 @@ class OverlapMuon(torch.optim.Optimizer):
         return sorted(uniq.values(), key=lambda lay: lay[0][0])
 
     def _describe_param(
-        self, i: int, name: str, p: Tensor, mesh: Any, R: int, T: int, layouts: Any
+        self, i: int, name: str, p: Tensor, mesh: Any, R: int, T: int, g: int, t: int
     ) -> tuple[_MuonParam | None, str | None]:
-        g = t = 0
-        if layouts is not None and self._dist:
-            for lay in layouts:
-                for gg, row in enumerate(lay):
-                    if self._rank in row:
-                        g, t = gg, row.index(self._rank)
         if isinstance(p, DTensor):
             pl = p.placements
             names = tuple(p.device_mesh.mesh_dim_names or ())

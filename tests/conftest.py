@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-# The repository root on sys.path, so `tests.dist_utils` imports in spawned ranks too.
+# The repository root on sys.path (and PYTHONPATH), so the test modules import in spawned ranks too.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

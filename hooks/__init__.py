@@ -3,7 +3,7 @@
 No optimizer knowledge: hooks report param indices and call back; the caller decides what to launch or wait on.
 """
 
-from .forward_wait import register_forward_waits
+from .forward_wait import fsdp_param_streams, register_forward_waits
 from .grad_ready import GradReadyTracker, ddp_readiness_hook
 
-__all__ = ["GradReadyTracker", "ddp_readiness_hook", "register_forward_waits"]
+__all__ = ["GradReadyTracker", "ddp_readiness_hook", "fsdp_param_streams", "register_forward_waits"]

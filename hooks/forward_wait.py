@@ -45,3 +45,25 @@ def register_forward_waits(
         wait(module)
 
     return [m.register_forward_pre_hook(_pre_hook, prepend=True) for m in mods]
+
+
+def fsdp_param_streams(module: torch.nn.Module) -> list:
+    """The CUDA streams on which FSDP2 reads ``module``'s sharded params, to make them wait for an update.
+
+    FSDP2 copies the sharded params into its all-gather buffer on ``all_gather_copy_in_stream`` and all-gathers
+    on ``all_gather_stream``; the root's pre-forward makes both wait on the current stream once per iteration,
+    *before* the per-module pre-hooks run, so a wait enqueued later on the current stream does not reach them.
+    [Note: FSDP2 streams] Private: ``module._get_fsdp_state()._comm_ctx`` (torch 2.13,
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py`` and ``_fsdp_param_group.py``; checked against
+    2.13.0). FSDP2's public ``set_post_optim_event`` would make every all-gather of the next forward wait for
+    the LAST update, which would serialize the forward behind the whole optimizer step.
+
+    Returns:
+        ``[copy_in_stream, all_gather_stream]`` when ``module`` is an FSDP2 module with CUDA streams, else ``[]``.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    ctx = getattr(get_state(), "_comm_ctx", None)
+    streams = [getattr(ctx, "all_gather_copy_in_stream", None), getattr(ctx, "all_gather_stream", None)]
+    return [s for s in streams if s is not None and hasattr(s, "wait_event")]

@@ -102,7 +102,7 @@ from torch import Tensor, nn
 from scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_homes
 
 from ._spawn import spawn_ranks
-from .domain import chunk_sizes
+from .domain import block_shape
 from .ns import zeropower
 from .optimizer import OverlapMuon
 
@@ -352,16 +352,6 @@ def _transformer_layer(d: int, mlp: int = 4) -> list[tuple[str, tuple[int, int],
     ]
 
 
-def _block_shape(full: tuple[int, int], pd: int | None, R: int, T: int, g: int, t: int) -> tuple[int, int]:
-    """Rank ``(g, t)``'s local block shape of a full ``(P, Q)`` matrix (DESIGN.md section 2)."""
-    P, Q = full
-    if pd == 0:
-        return chunk_sizes(chunk_sizes(P, T)[t], R)[g], Q
-    if pd == 1:
-        return chunk_sizes(P, R)[g], chunk_sizes(Q, T)[t]
-    return chunk_sizes(P, R)[g], Q
-
-
 def _shard_net(specs: Sequence[tuple[tuple[int, int], int | None]], R: int, T: int, g: int, t: int,
                seed: int) -> nn.Module:
     """A module holding one plain local shard per spec, with ``partition_dim``/``full_shape`` and a gradient set."""
@@ -369,7 +359,7 @@ def _shard_net(specs: Sequence[tuple[tuple[int, int], int | None]], R: int, T: i
     net = nn.Module()
     params = nn.ParameterList()
     for full, pd in specs:
-        shape = _block_shape(full, pd, R, T, g, t)
+        shape = block_shape(full, pd, R, T, g, t)
         p = nn.Parameter(torch.randn(shape, generator=gen) / math.sqrt(full[1]))
         p.partition_dim = pd
         p.full_shape = full
@@ -773,7 +763,7 @@ class _ShardLinear(nn.Module):
     def __init__(self, full: tuple[int, int], pd: int, T: int, t: int, gen: torch.Generator) -> None:
         super().__init__()
         w = torch.randn(full, generator=gen) / math.sqrt(full[1])
-        rows, cols = _block_shape(full, pd, 1, T, 0, t)
+        rows, cols = block_shape(full, pd, 1, T, 0, t)
         block = w[t * rows:(t + 1) * rows] if pd == 0 else w[:, t * cols:(t + 1) * cols]
         self.weight = nn.Parameter(block.clone())
         self.weight.partition_dim = pd

@@ -1,8 +1,11 @@
-"""The runtime's ablation toggles: one frozen config, read from the environment once (DESIGN.md section 5).
+"""The runtime's options: one frozen config, read from the environment once (DESIGN.md section 5).
 
 Precedence: a constructor argument (not ``None``) overrides the environment variable, which overrides the
-default. Booleans accept ``1/0/true/false/yes/no/on/off`` (any case) and nothing else; a bad value is a
-``ValueError`` naming the variable. Values are never read by truthiness (``OVERLAP_MUON_OVERLAP=0`` is off).
+default. Each field names its variable and, for a string, its choices in its ``metadata``; the environment is
+parsed from the field's type (bool, int, float, str with choices), and every value, whatever its source, goes
+through the same check (:func:`_check`), so there is one rule per field. Booleans accept
+``1/0/true/false/yes/no/on/off`` (any case) and nothing else; a bad value is a ``ValueError`` naming the
+variable. Values are never read by truthiness (``OVERLAP_MUON_OVERLAP=0`` is off).
 """
 
 from __future__ import annotations
@@ -23,137 +26,126 @@ logger = logging.getLogger("overlap_muon")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-MODES = ("layer_sharded", "duplicated")
-BALANCES = ("lpt", "round_robin")
 
-#: field name -> environment variable
-ENV_VARS: dict[str, str] = {
-    "mode": "OVERLAP_MUON_MODE",
-    "overlap": "OVERLAP_MUON_OVERLAP",
-    "fused_a2a": "OVERLAP_MUON_FUSED_A2A",
-    "batch_ns": "OVERLAP_MUON_BATCH_NS",
-    "balance": "OVERLAP_MUON_BALANCE",
-    "wave_slots": "OVERLAP_MUON_WAVE_SLOTS",
-    "side_streams": "OVERLAP_MUON_SIDE_STREAMS",
-    "nvtx": "OVERLAP_MUON_NVTX",
-    "pg_timeout_s": "OVERLAP_MUON_PG_TIMEOUT_S",
-}
+
+def _opt(default: Any, env: str, *, choices: tuple[str, ...] | None = None, kind: type = str) -> Any:
+    """A config field: its default, its environment variable, its value kind and (strings) its choices."""
+    return field(default=default, metadata={"env": env, "choices": choices, "kind": kind})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OverlapMuonConfig:
-    """Effective runtime configuration of one :class:`~overlap_muon.OverlapMuon`."""
+    """Effective runtime configuration of one :class:`~overlap_muon.OverlapMuon`.
 
-    mode: str = "layer_sharded"
+    Raises:
+        ValueError / TypeError: a field out of range or of the wrong type (names the field).
+    """
+
+    mode: str = _opt("layer_sharded", "OVERLAP_MUON_MODE", choices=("layer_sharded", "duplicated"))
     """``layer_sharded`` (NS once on a home rank) or ``duplicated`` (per-param all-gather, NS on every rank)."""
-    overlap: bool = True
+    overlap: bool = _opt(True, "OVERLAP_MUON_OVERLAP", kind=bool)
     """Launch waves from backward hooks and wait in the next forward (``False``: everything inside ``step()``)."""
-    fused_a2a: bool = True
+    fused_a2a: bool = _opt(True, "OVERLAP_MUON_FUSED_A2A", kind=bool)
     """One ``all_to_all`` over the flat ``R x T`` domain per direction (``False``: two stages, remat then TP)."""
-    batch_ns: bool = True
+    batch_ns: bool = _opt(True, "OVERLAP_MUON_BATCH_NS", kind=bool)
     """Run NS on same-shape matrices of a home as one batched call."""
-    balance: str = "lpt"
+    balance: str = _opt("lpt", "OVERLAP_MUON_BALANCE", choices=("lpt", "round_robin"))
     """Home assignment: ``lpt`` (by NS FLOPs) or ``round_robin``."""
-    wave_slots: int | None = None
-    """Max Muon matrices per wave; ``None`` means the domain size (one matrix per home per wave)."""
-    side_streams: bool = True
+    wave_slots: int | None = _opt(None, "OVERLAP_MUON_WAVE_SLOTS", kind=int)
+    """Max Muon matrices per wave; ``None`` means the domain size (overlap) or all matrices (synchronous)."""
+    side_streams: bool = _opt(True, "OVERLAP_MUON_SIDE_STREAMS", kind=bool)
     """Run lanes on side CUDA streams / CPU worker threads (``False``: inline on the launching thread)."""
-    nvtx: bool = False
+    nvtx: bool = _opt(False, "OVERLAP_MUON_NVTX", kind=bool)
     """Emit NVTX ranges beside ``torch.profiler.record_function`` (default: on when CUDA is available)."""
-    pg_timeout_s: float = 600.0
+    pg_timeout_s: float = _opt(600.0, "OVERLAP_MUON_PG_TIMEOUT_S", kind=float)
     """Timeout of every process group the runtime creates, seconds."""
+    readiness_order: str = _opt("reverse", "OVERLAP_MUON_READINESS_ORDER", choices=("reverse", "observed"))
+    """Wave order: ``reverse`` registration order, or ``observed`` (rank 0's first-step order, broadcast)."""
+    skip_nonfinite: bool = _opt(False, "OVERLAP_MUON_SKIP_NONFINITE", kind=bool)
+    """Skip the whole step on every rank when any Muon gradient on any rank is non-finite."""
+    check_grad_presence: bool = _opt(True, "OVERLAP_MUON_CHECK_GRAD_PRESENCE", kind=bool)
+    """Each wave agrees, over the runtime's gloo group, on which params have a gradient (host flags only)."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     """Where each value came from: ``default``, ``env`` or ``argument``."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.balance not in BALANCES:
-            raise ValueError(f"balance must be one of {BALANCES}, got {self.balance!r}")
-        if self.wave_slots is not None and (
-            isinstance(self.wave_slots, bool) or not isinstance(self.wave_slots, int) or self.wave_slots < 1
-        ):
-            raise ValueError(f"wave_slots must be a positive int or None, got {self.wave_slots!r}")
-        for name in ("overlap", "fused_a2a", "batch_ns", "side_streams", "nvtx"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not (isinstance(self.pg_timeout_s, (int, float)) and self.pg_timeout_s > 0 and math.isfinite(self.pg_timeout_s)):
-            raise ValueError(f"pg_timeout_s must be a positive, finite number of seconds, got {self.pg_timeout_s!r}")
+        for f in _fields():
+            err = _check(f, getattr(self, f.name))
+            if err is not None:
+                raise (TypeError if err[0] == "type" else ValueError)(f"{f.name} {err[1]}")
 
     def describe(self) -> str:
-        """One line: every toggle, its value and its source."""
-        parts = []
-        for f in dataclasses.fields(self):
-            if f.name == "sources":
-                continue
-            parts.append(f"{f.name}={getattr(self, f.name)!r}({self.sources.get(f.name, 'default')})")
+        """One line: every option, its value and its source."""
+        parts = [f"{f.name}={getattr(self, f.name)!r}({self.sources.get(f.name, 'default')})" for f in _fields()]
         return "OverlapMuon config: " + " ".join(parts)
 
 
-def _parse_bool(var: str, raw: str) -> bool:
-    v = raw.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(f"{var}={raw!r} is not a boolean; use one of 1/0/true/false/yes/no/on/off")
+def _fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(OverlapMuonConfig) if "env" in f.metadata]
 
 
-def _parse_env(name: str, var: str, raw: str) -> Any:
-    if name in ("overlap", "fused_a2a", "batch_ns", "side_streams", "nvtx"):
-        return _parse_bool(var, raw)
-    if name == "mode":
-        v = raw.strip().lower()
-        if v not in MODES:
-            raise ValueError(f"{var}={raw!r}: expected one of {', '.join(MODES)}")
-        return v
-    if name == "balance":
-        v = raw.strip().lower()
-        if v not in BALANCES:
-            raise ValueError(f"{var}={raw!r}: expected one of {', '.join(BALANCES)}")
-        return v
-    if name == "wave_slots":
-        try:
-            n = int(raw.strip())
-        except ValueError:
-            raise ValueError(f"{var}={raw!r}: expected a positive integer") from None
-        if n < 1:
-            raise ValueError(f"{var}={raw!r}: expected a positive integer")
-        return n
-    if name == "pg_timeout_s":
-        try:
-            x = float(raw.strip())
-        except ValueError:
-            raise ValueError(f"{var}={raw!r}: expected a positive number of seconds") from None
-        if not (x > 0 and math.isfinite(x)):
-            raise ValueError(f"{var}={raw!r}: expected a positive, finite number of seconds")
-        return x
-    raise AssertionError(name)
+#: field name -> environment variable
+ENV_VARS: dict[str, str] = {f.name: f.metadata["env"] for f in _fields()}
+
+
+def _check(f: dataclasses.Field, v: Any) -> tuple[str, str] | None:
+    """``None`` if ``v`` is a valid value of field ``f``, else ``(kind, message)`` with kind "type"/"value"."""
+    kind, choices = f.metadata["kind"], f.metadata["choices"]
+    if kind is bool:
+        return None if isinstance(v, bool) else ("type", f"must be a bool, got {v!r}")
+    if kind is int:
+        if v is None and f.default is None:
+            return None
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        return None if ok else ("value", f"must be a positive int{' or None' if f.default is None else ''}, got {v!r}")
+    if kind is float:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)
+        return None if ok else ("value", f"must be a positive, finite number of seconds, got {v!r}")
+    return None if v in choices else ("value", f"must be one of {choices}, got {v!r}")
+
+
+def _parse_env(f: dataclasses.Field, raw: str) -> Any:
+    """Convert the text of ``f``'s variable by the field's kind, then check it; errors name the variable."""
+    var, kind = f.metadata["env"], f.metadata["kind"]
+    text = raw.strip()
+    if kind is bool:
+        if text.lower() not in _TRUE | _FALSE:
+            raise ValueError(f"{var}={raw!r} is not a boolean; use one of 1/0/true/false/yes/no/on/off")
+        return text.lower() in _TRUE
+    try:
+        value = kind(text.lower() if kind is str else text)
+    except ValueError:
+        value = raw
+    err = _check(f, value)
+    if err is not None:
+        raise ValueError(f"{var}={raw!r}: {f.name} {err[1]}")
+    return value
 
 
 def resolve_config(environ: Mapping[str, str] | None = None, **overrides: Any) -> OverlapMuonConfig:
     """Build the effective config: ``overrides`` (non-``None``) > environment > defaults.
 
     Raises:
-        ValueError: an environment variable holds a value its toggle does not accept (the message names it),
+        ValueError: an environment variable holds a value its option does not accept (the message names it),
             or an override is out of range.
-        TypeError: an override has the wrong type, or names no toggle.
+        TypeError: an override has the wrong type, or names no option.
     """
     env = os.environ if environ is None else environ
     unknown = set(overrides) - set(ENV_VARS)
     if unknown:
-        raise TypeError(f"unknown OverlapMuon toggles {sorted(unknown)}; known: {sorted(ENV_VARS)}")
+        raise TypeError(f"unknown OverlapMuon options {sorted(unknown)}; known: {sorted(ENV_VARS)}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for name, var in ENV_VARS.items():
-        if overrides.get(name) is not None:
-            values[name] = overrides[name]
-            sources[name] = "argument"
-        elif var in env and env[var].strip() != "":
-            values[name] = _parse_env(name, var, env[var])
-            sources[name] = "env"
+    for f in _fields():
+        var = f.metadata["env"]
+        if overrides.get(f.name) is not None:
+            values[f.name] = overrides[f.name]
+            sources[f.name] = "argument"
+        elif env.get(var, "").strip() != "":
+            values[f.name] = _parse_env(f, env[var])
+            sources[f.name] = "env"
         else:
-            sources[name] = "default"
+            sources[f.name] = "default"
     if "nvtx" not in values:
         values["nvtx"] = torch.cuda.is_available()
     return OverlapMuonConfig(**values, sources=sources)

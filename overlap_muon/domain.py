@@ -14,11 +14,22 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["Domain", "chunk_sizes", "chunk_offsets"]
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+except Exception:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment]
+
+__all__ = [
+    "Domain", "MuonParam", "chunk_sizes", "chunk_offsets", "block", "block_shape", "local_tensor", "discover_layouts",
+    "describe_param",
+]
 
 
 def chunk_sizes(n: int, parts: int) -> list[int]:
@@ -47,6 +58,39 @@ def chunk_offsets(n: int, parts: int) -> list[int]:
     return offs
 
 
+def block(
+    full_shape: tuple[int, int], partition_dim: int | None, R: int, T: int, g: int, t: int
+) -> tuple[int, int, int, int]:
+    """``(row0, rows, col0, cols)`` of rank ``(g, t)``'s block of a full ``(P, Q)`` matrix: THE layout rule.
+
+    DESIGN.md section 2 (``torch.chunk`` splits, blocks may be uneven or empty), which is what FSDP2
+    ``fully_shard`` over the remat dim plus DTensor TP produce:
+
+    * ``partition_dim=0``: TP splits the rows into T blocks, remat splits TP block ``t``'s rows into R; rank
+      ``(g, t)`` holds row block ``t*R + g`` (FSDP2's ``_StridedShard(0)`` order), all columns;
+    * ``partition_dim=1``: remat splits the rows into R, TP the columns into T; rank ``(g, t)`` holds block
+      ``(g, t)``;
+    * ``partition_dim=None``: remat splits the rows into R; TP peers hold copies of row block ``g``.
+
+    Every module that needs a block (the optimizer's param checks, the routing, the benchmarks) calls this.
+    """
+    P, Q = full_shape
+    if partition_dim == 0:
+        tp_rows, tp_off = chunk_sizes(P, T)[t], chunk_offsets(P, T)[t]
+        return tp_off + chunk_offsets(tp_rows, R)[g], chunk_sizes(tp_rows, R)[g], 0, Q
+    if partition_dim == 1:
+        return chunk_offsets(P, R)[g], chunk_sizes(P, R)[g], chunk_offsets(Q, T)[t], chunk_sizes(Q, T)[t]
+    return chunk_offsets(P, R)[g], chunk_sizes(P, R)[g], 0, Q
+
+
+def block_shape(
+    full_shape: tuple[int, int], partition_dim: int | None, R: int, T: int, g: int, t: int
+) -> tuple[int, int]:
+    """``(rows, cols)`` of rank ``(g, t)``'s block (:func:`block`)."""
+    _, rows, _, cols = block(full_shape, partition_dim, R, T, g, t)
+    return rows, cols
+
+
 @dataclass(frozen=True)
 class Domain:
     """This rank's place in the ``R x T`` weight-shard domain and the runtime's own groups over it.
@@ -62,6 +106,7 @@ class Domain:
     remat_group: ProcessGroup | None = None  #: own group of the R ranks sharing t; group rank == g
     tp_group: ProcessGroup | None = None  #: own group of the T ranks sharing g; group rank == t
     flat_group: ProcessGroup | None = None  #: own group of all R*T ranks; group rank == g*T + t
+    ctrl_group: ProcessGroup | None = None  #: gloo group of all R*T ranks, for host-side flags (never the device)
 
     @property
     def size(self) -> int:
@@ -73,27 +118,12 @@ class Domain:
         """g*T + t."""
         return self.remat_rank * self.tp_size + self.tp_rank
 
-    def coords(self, flat: int) -> tuple[int, int]:
-        """``(g, t)`` of flat index ``flat``."""
-        return divmod(flat, self.tp_size)
 
     @staticmethod
     def single() -> "Domain":
         """The 1 x 1 domain of a single process (no groups)."""
         return Domain(remat_size=1, tp_size=1, remat_rank=0, tp_rank=0)
 
-    @staticmethod
-    def from_global_ranks(
-        layout: list[list[int]],
-        *,
-        timeout: datetime.timedelta | None = None,
-    ) -> "Domain":
-        """Build a domain from ``layout[g][t] = global rank`` of this rank's domain.
-
-        Creates the runtime's own groups with ``dist.new_group``. Every rank of the default group must call
-        this with the layouts of all domains in the same order, which :meth:`from_all_layouts` guarantees.
-        """
-        return Domain.from_all_layouts([layout], timeout=timeout)
 
     @staticmethod
     def from_all_layouts(
@@ -135,9 +165,9 @@ class Domain:
         kw = {} if timeout is None else {"timeout": timeout}
         groups: dict[tuple[str, tuple[int, ...]], ProcessGroup] = {}
 
-        def make(kind: str, ranks: list[int]) -> None:
+        def make(kind: str, ranks: list[int], **extra: str) -> None:
             if len(ranks) > 1:
-                groups[(kind, tuple(ranks))] = dist.new_group(ranks=ranks, **kw)
+                groups[(kind, tuple(ranks))] = dist.new_group(ranks=ranks, **kw, **extra)
 
         for layout in layouts:
             R, T = len(layout), len(layout[0])
@@ -146,6 +176,7 @@ class Domain:
             for g in range(R):
                 make("tp", list(layout[g]))
             make("flat", [r for row in layout for r in row])
+            make("ctrl", [r for row in layout for r in row], backend="gloo")
         layout, g, t = mine
         R, T = len(layout), len(layout[0])
         return Domain(
@@ -156,4 +187,168 @@ class Domain:
             remat_group=groups.get(("remat", tuple(layout[gg][t] for gg in range(R)))),
             tp_group=groups.get(("tp", tuple(layout[g]))),
             flat_group=groups.get(("flat", tuple(r for row in layout for r in row))),
+            ctrl_group=groups.get(("ctrl", tuple(r for row in layout for r in row))),
         )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Discovery: a DeviceMesh or explicit groups -> the layouts of every domain; a param -> its place in the domain.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (sharing storage), or the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@dataclass
+class MuonParam:
+    """One Muon matrix as the runtime sees it."""
+
+    index: int  #: position among the Muon params (the index waves use)
+    name: str  #: the model's name for it
+    param: Tensor  #: nn.Parameter, DTensor or plain; its local shard is ``local_tensor(param)``
+    full_shape: tuple[int, int]  #: (P, Q), the logical shape NS and the lr ratio see
+    partition_dim: int | None  #: TP split: 0, 1 or None (DESIGN.md section 2)
+
+
+def discover_layouts(
+    mesh: Any, tp_group: ProcessGroup | None, remat_group: ProcessGroup | None
+) -> tuple[list[list[list[int]]] | None, str | None]:
+    """The layouts ``layout[g][t] = global rank`` of every domain of the job, identical on every rank.
+
+    From a ``DeviceMesh`` (2-D with dims ``("remat", "tp")``, or 1-D: named ``"tp"`` is TP only, any other name
+    remat only) or from explicit groups (``remat_group`` x ``tp_group``). Collective over the default group
+    (``all_gather_object``) when distributed.
+
+    Returns:
+        ``(layouts, error)``: ``layouts`` is ``None`` for one process without groups; ``error`` is a message
+        (the caller raises it on every rank) or ``None``.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    if mesh is not None:
+        if tp_group is not None or remat_group is not None:
+            return None, "pass either device_mesh or tp_group/remat_group, not both"
+        names = tuple(mesh.mesh_dim_names or ())
+        grid = mesh.mesh
+        if mesh.ndim == 2:
+            if names != ("remat", "tp"):
+                return None, f"a 2-D device_mesh must have dims ('remat', 'tp'), got {names}"
+            layout = grid.tolist()
+        elif mesh.ndim == 1:
+            layout = [grid.tolist()] if names == ("tp",) else [[r] for r in grid.tolist()]
+        else:
+            return None, f"device_mesh must be 1-D or 2-D ('remat', 'tp'), got {mesh.ndim}-D {names}"
+        return _gather_layouts(layout), None
+    if not initialized or (tp_group is None and remat_group is None):
+        return None, None
+    me, world = dist.get_rank(), dist.get_world_size()
+    tp_ranks = dist.get_process_group_ranks(tp_group) if tp_group is not None else [me]
+    remat_ranks = dist.get_process_group_ranks(remat_group) if remat_group is not None else [me]
+    info: list[Any] = [None] * world
+    dist.all_gather_object(info, (sorted(remat_ranks), sorted(tp_ranks)))
+    layout = [info[r][1] for r in sorted(remat_ranks)]
+    return _gather_layouts(layout), None
+
+
+def _gather_layouts(layout: list[list[int]]) -> list[list[list[int]]]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [layout]
+    allp: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(allp, layout)
+    uniq: dict[str, list[list[int]]] = {}
+    for lay in allp:
+        uniq.setdefault(repr(lay), lay)
+    return sorted(uniq.values(), key=lambda lay: lay[0][0])
+
+
+def my_coords(layouts: list[list[list[int]]] | None, rank: int) -> tuple[int, int, int, int]:
+    """``(R, T, g, t)`` of ``rank`` in its domain (``(1, 1, 0, 0)`` without layouts)."""
+    for lay in layouts or ():
+        for g, row in enumerate(lay):
+            if rank in row:
+                return len(lay), len(row), g, row.index(rank)
+    return 1, 1, 0, 0
+
+
+def _is_strided_or_shard0(p: Any) -> bool:
+    if isinstance(p, _StridedShard):
+        return p.dim == 0
+    return isinstance(p, Shard) and p.dim == 0
+
+
+def describe_param(
+    index: int, name: str, p: Tensor, mesh: Any, R: int, T: int, g: int, t: int
+) -> tuple[MuonParam | None, str | None]:
+    """Place one Muon param in the ``R x T`` domain: its full shape and TP ``partition_dim``, checked.
+
+    A DTensor's placements give both (FSDP2 ``Shard(0)``/``_StridedShard(0)`` on the remat dim;
+    ``Shard(0)``/``Shard(1)``/``Replicate`` on ``tp``); a plain tensor carries ``partition_dim`` (and optionally
+    ``full_shape``; even splits otherwise). The local shape must be exactly this rank's :func:`block`.
+
+    Returns:
+        ``(MuonParam, None)``, or ``(None, message)`` naming the param, its shape and the expectation.
+    """
+    if isinstance(p, DTensor):
+        pl = p.placements
+        names = tuple(p.device_mesh.mesh_dim_names or ())
+        full = (int(p.shape[0]), int(p.shape[1]))
+        if mesh is None:
+            return None, f"Muon param {name!r} is a DTensor but no device_mesh was given"
+        mesh_names = tuple(mesh.mesh_dim_names or ())
+        # The remat dim: "remat" on a 2-D mesh; the only dim of a 1-D mesh unless it is named "tp".
+        if mesh.ndim == 2:
+            remat_name: str | None = "remat"
+        elif mesh_names == ("tp",):
+            remat_name = None
+        else:
+            remat_name = mesh_names[0] if mesh_names else None
+        by_name = dict(zip(names, pl))
+        if not set(names) <= set(mesh_names):
+            return None, (
+                f"Muon param {name!r} lives on mesh dims {names}, not on (a sub-mesh of) the device_mesh "
+                f"{mesh_names} passed"
+            )
+        remat_pl = by_name.get(remat_name, Replicate()) if remat_name else Replicate()
+        tp_pl = by_name.get("tp", Replicate())
+        if R > 1 and not _is_strided_or_shard0(remat_pl):
+            return None, (
+                f"Muon param {name!r} (shape {full}) has placement {remat_pl} on the remat dim; expected "
+                "Shard(0) (FSDP2 fully_shard)"
+            )
+        if T > 1:
+            if isinstance(tp_pl, Shard) and tp_pl.dim in (0, 1):
+                pd: int | None = tp_pl.dim
+            elif isinstance(tp_pl, Replicate):
+                pd = None
+            else:
+                return None, f"Muon param {name!r} has TP placement {tp_pl}; expected Shard(0), Shard(1) or Replicate"
+        else:
+            pd = None
+    else:
+        pd = getattr(p, "partition_dim", None) if T > 1 else None
+        if T > 1 and not hasattr(p, "partition_dim"):
+            return None, (
+                f"Muon param {name!r} with local shape {tuple(p.shape)} has no partition_dim attribute; "
+                f"plain tensors on a {R}x{T} domain need partition_dim in {{0, 1, None}}"
+            )
+        if pd not in (0, 1, None):
+            return None, f"Muon param {name!r} has partition_dim={pd!r}; expected 0, 1 or None"
+        fs = getattr(p, "full_shape", None)
+        a, b = int(p.shape[0]), int(p.shape[1])
+        if fs is not None:
+            full = (int(fs[0]), int(fs[1]))
+        elif pd == 0:
+            full = (a * R * T, b)
+        elif pd == 1:
+            full = (a * R, b * T)
+        else:
+            full = (a * R, b)
+    expected = block_shape(full, pd, R, T, g, t)
+    loc = tuple(local_tensor(p).shape)
+    if loc != expected:
+        return None, (
+            f"Muon param {name!r} has local shape {loc}, expected {expected} for full shape {full}, "
+            f"partition_dim={pd} on a {R}x{T} domain at (g={g}, t={t})"
+        )
+    return MuonParam(index, name, p, full, pd), None

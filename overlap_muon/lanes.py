@@ -18,8 +18,8 @@ Backends:
   the main thread, with the original traceback chained.
 - CUDA: one stream per lane, created here, each with a comment on why it exists; a task is enqueued at once
   from the calling thread on its stream after ``wait_event`` on its dependencies, and records an event. The
-  tensors a task touches are kept in its handle next to that event until the event has completed
-  (invariant 5: no ``record_stream``).
+  tensors a task touches are kept by the wave pipeline's ``WaveState`` next to that event until the event has
+  completed (invariant 5: no ``record_stream``).
 - inline (``side_streams=False``): the task runs immediately on the calling thread (the ablation baseline).
 """
 
@@ -46,16 +46,14 @@ class LaneHandle:
         future: CPU/inline: a ``concurrent.futures.Future`` holding the task's return value.
         event: CUDA: recorded on the lane's stream after the task's kernels (recorded by the lane, waited on by
             later tasks, forward pre-hooks and ``synchronize()``).
-        keepalive: CUDA: every tensor the task touched, released once ``event`` has completed.
     """
 
-    __slots__ = ("lane", "future", "event", "keepalive", "value", "t_start", "t_end")
+    __slots__ = ("lane", "future", "event", "value", "t_start", "t_end")
 
     def __init__(self, lane: str) -> None:
         self.lane = lane
         self.future: cf.Future | None = None
         self.event: Any = None
-        self.keepalive: Any = None
         self.value: Any = None
         self.t_start = 0.0  #: time.perf_counter() when the task started, seconds
         self.t_end = 0.0  #: time.perf_counter() when the task finished (host side), seconds
@@ -117,7 +115,7 @@ class Lanes:
         dependency's future has resolved (a failed dependency fails this task with the same error).
         CUDA: ``fn`` runs now on the calling thread inside the lane's stream, which first waits on the
         dependencies' events and on the current stream (the producer of the inputs); ``fn`` and its return
-        value are kept in the handle until its event completes.
+        value are kept by the caller (``WaveState``) until its event completes.
         """
         h = LaneHandle(lane)
         delay = self.delay_s if lane == "compute" else 0.0
@@ -147,9 +145,8 @@ class Lanes:
                 h.event = torch.cuda.Event()
                 h.event.record(stream)
             h.value = out
-            # The closure references every input tensor; holding it (and the output) keeps them alive until
-            # the event completes: the caching allocator must not hand their memory to another stream early.
-            h.keepalive = (fn, out)
+            # The tensors the task touched are kept alive by the caller (the wave pipeline's WaveState) until
+            # this event has completed: the caching allocator must not hand their memory to another stream early.
             return h
         if self.inline:
             f: cf.Future = cf.Future()
@@ -162,8 +159,8 @@ class Lanes:
         h.future = self._executors[lane].submit(run)
         return h
 
-    def shutdown(self) -> None:
-        """Stop the worker threads after the queued tasks finish."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the worker threads after the queued tasks finish (``wait``: block until they have)."""
         for ex in self._executors.values():
-            ex.shutdown(wait=True)
+            ex.shutdown(wait=wait)
         self._executors.clear()

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from overlap_muon.domain import Domain, chunk_offsets, chunk_sizes
+from overlap_muon.domain import Domain, block, block_shape, chunk_offsets, chunk_sizes
 
 __all__ = [
     "params_by_home",
@@ -590,16 +590,6 @@ def _route_from(ns_results, my_param_indices, shapes, homes, dims, fulls, group,
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _block(P: int, Q: int, pd: int | None, R: int, T: int, g: int, t: int) -> tuple[int, int, int, int]:
-    """``(row0, rows, col0, cols)`` of rank ``(g, t)``'s block of a ``(P, Q)`` matrix (DESIGN.md section 2)."""
-    if pd == 0:
-        tp_len, tp_off = chunk_sizes(P, T)[t], chunk_offsets(P, T)[t]
-        return tp_off + chunk_offsets(tp_len, R)[g], chunk_sizes(tp_len, R)[g], 0, Q
-    if pd == 1:
-        return chunk_offsets(P, R)[g], chunk_sizes(P, R)[g], chunk_offsets(Q, T)[t], chunk_sizes(Q, T)[t]
-    return chunk_offsets(P, R)[g], chunk_sizes(P, R)[g], 0, Q
-
-
 def _block_region(b: tuple[int, int, int, int]) -> _Region:
     return ((0, b[0], b[1]), (1, b[2], b[3]))
 
@@ -633,7 +623,7 @@ def local_shard(full: Tensor, partition_dim: int | None, domain: Domain) -> Tens
     if full.dim() != 2:
         raise ValueError(f"local_shard: full tensor has shape {tuple(full.shape)}, expected a (P, Q) matrix")
     pd = _check_pd(partition_dim, 0)
-    r0, nr, c0, nc = _block(*full.shape, pd, domain.remat_size, domain.tp_size, domain.remat_rank, domain.tp_rank)
+    r0, nr, c0, nc = block(tuple(full.shape), pd, domain.remat_size, domain.tp_size, domain.remat_rank, domain.tp_rank)
     return full.narrow(0, r0, nr).narrow(1, c0, nc)
 
 
@@ -670,7 +660,7 @@ def _check_domain_inputs(what, shards, homes, partition_dims, full_shapes, domai
     for i in range(n):
         pd = _check_pd(partition_dims[i], i)
         P, Q = _check_full_shape(full_shapes[i], i)
-        _, nr, _, nc = _block(P, Q, pd, R, T, g, t)
+        _, nr, _, nc = block((P, Q), pd, R, T, g, t)
         if tuple(shards[i].shape) != (nr, nc):
             raise ValueError(
                 f"param {i} has local shape {tuple(shards[i].shape)}, expected {(nr, nc)} for full shape "
@@ -787,7 +777,7 @@ def to_homes(
 
 def _remat_length(full: tuple[int, int], pd: int | None, T: int, t: int) -> int:
     """Rows a remat group of TP rank ``t`` splits: TP block ``t``'s rows for partition 0, else all ``P``."""
-    return chunk_sizes(full[0], T)[t] if pd == 0 else full[0]
+    return block_shape(full, 0, 1, T, 0, t)[0] if pd == 0 else full[0]
 
 
 def _sub_plan(plan: dict | None, key: str) -> dict | None:
@@ -802,7 +792,7 @@ def _fused_to(sig: tuple, p: _Params, domain: Domain) -> _Route:
         for i in by_home[h]:
             if p.pds[i] is None and h % T != t:  # None: only the home's TP column sends (peers hold copies)
                 continue
-            b = _block(*p.full[i], p.pds[i], R, T, domain.remat_rank, t)
+            b = block(p.full[i], p.pds[i], R, T, domain.remat_rank, t)
             send.add(h, i, (b[1], b[3]), ())
     recv = _Packer(W)
     pieces: dict[int, list[_Piece]] = {i: [] for i in by_home[me]}
@@ -811,7 +801,7 @@ def _fused_to(sig: tuple, p: _Params, domain: Domain) -> _Route:
         for i in by_home[me]:
             if p.pds[i] is None and ts != t:
                 continue
-            b = _block(*p.full[i], p.pds[i], R, T, gs, ts)
+            b = block(p.full[i], p.pds[i], R, T, gs, ts)
             piece = recv.add(s, i, (b[1], b[3]), _block_region(b))
             if piece is not None:
                 pieces[i].append(piece)
@@ -873,7 +863,8 @@ def from_homes(
     shapes2 = []
     for i in b2:
         P, Q = p.full[i]
-        shapes2.append({0: (chunk_sizes(P, T)[t], Q), 1: (P, chunk_sizes(Q, T)[t]), None: (P, Q)}[p.pds[i]])
+        # the TP block (the whole matrix for partition None): the layout rule with R = 1
+        shapes2.append(block_shape((P, Q), p.pds[i], 1, T, 0, t) if p.pds[i] is not None else (P, Q))
     out2 = _route_from(
         list(ns_results),
         [j for j, i in enumerate(b2) if coords[i][1] == t],
@@ -912,13 +903,13 @@ def _fused_from(sig: tuple, p: _Params, domain: Domain) -> _Route:
     for d in range(W):
         gd, td = divmod(d, T)
         for k, i in enumerate(by_home[me]):
-            b = _block(*p.full[i], p.pds[i], R, T, gd, td)
+            b = block(p.full[i], p.pds[i], R, T, gd, td)
             send.add(d, k, (b[1], b[3]), _block_region(b))
     recv = _Packer(W)
     outs: list[_Out | None] = [None] * len(p.homes)
     for s in range(W):
         for i in by_home[s]:
-            b = _block(*p.full[i], p.pds[i], R, T, domain.remat_rank, domain.tp_rank)
+            b = block(p.full[i], p.pds[i], R, T, domain.remat_rank, domain.tp_rank)
             piece = recv.add(s, i, (b[1], b[3]), ())
             outs[i] = _Out((b[1], b[3]), None, () if piece is None else (piece,))
     return _Route(sig, tuple(send.splits), tuple(recv.splits), tuple(send.pieces), tuple(outs))
@@ -951,7 +942,7 @@ def all_gather_full(
     out = []
     with torch.no_grad():
         for i, x in enumerate(shards):
-            blocks = [_block(*p.full[i], p.pds[i], R, T, *divmod(f, T)) for f in range(W)]
+            blocks = [block(p.full[i], p.pds[i], R, T, *divmod(f, T)) for f in range(W)]
             m = max(b[1] * b[3] for b in blocks)
             send = torch.empty(m, dtype=p.dtype, device=p.device)
             send[: x.numel()].view(x.shape).copy_(x)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap_muon import OverlapMuon
+from overlap_muon.pipeline import TestingSeam
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, MUON_2D, PlainShardNet, TinyNet, build_dtensor_model, local, plain_opt, set_grad
 
@@ -296,7 +297,7 @@ def test_model_state_dict_after_step_sees_applied_update():
     """Regression for a silent checkpoint corruption: ``torch.save(model.state_dict())`` right after
     ``opt.step()`` in overlap mode must not save params whose Muon update has not landed yet."""
     net = PlainShardNet(1, 1, 0, 0)
-    opt = OverlapMuon(net, adamw_kwargs=ADAMW_KW, overlap=True, ns_delay_s=0.3, **MUON_2D, **HP)
+    opt = OverlapMuon(net, adamw_kwargs=ADAMW_KW, overlap=True, _testing=TestingSeam(ns_delay_s=0.3), **MUON_2D, **HP)
     cs, _ = net.local_grads(0)
     net(cs).backward()
     opt.step()

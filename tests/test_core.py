@@ -9,6 +9,7 @@ from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
 from overlap_muon import OverlapMuon, resolve_config, zeropower
+from overlap_muon.pipeline import TestingSeam
 from overlap_muon.config import ENV_VARS
 from scheduler import load_report, lpt_homes, ns_flops, round_robin_homes
 from tests.dist_utils import run_ranks
@@ -141,11 +142,11 @@ def _ns_once(rank, world, n):
         layer.weight = nn.Parameter(block(full, 0, 1, world, 0, rank).clone())
         layer.weight.partition_dim = 0
         layer.weight.full_shape = tuple(full.shape)
-    opt = OverlapMuon(model, tp_group=dist.group.WORLD if world > 1 else None, overlap=False, lr=0.02)
-    mu = torch.optim.Muon(ref.parameters(), lr=0.02)
     calls = []
-    orig = opt._ns_many
-    opt._ns_many = lambda mats, kw: (calls.append(len(mats)), orig(mats, kw))[1]
+    seam = TestingSeam(ns_wrap=lambda ns, mats, kw: (calls.append(len(mats)), ns(mats, kw))[1])
+    opt = OverlapMuon(model, tp_group=dist.group.WORLD if world > 1 else None, overlap=False, lr=0.02,
+                      _testing=seam)
+    mu = torch.optim.Muon(ref.parameters(), lr=0.02)
     for s in range(2):
         gen = torch.Generator().manual_seed(s)
         for lm, lr_ in zip(model.layers, ref.layers):

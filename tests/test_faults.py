@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_muon import OverlapMuon
+from overlap_muon.pipeline import TestingSeam
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, MUON_2D, PlainShardNet, TinyNet, build_dtensor_model, explicit_groups
 
@@ -138,10 +139,10 @@ def _fault_body(rank, world, R, T, point, fused, timeout_from_env, check_dtensor
         o.close()
     net = PlainShardNet(R, T, g, t)
     tp, rm = explicit_groups(R, T, g, t)
-    # ns_delay_s keeps each wave in flight long enough that a fault lands while exchanges are pending.
+    # An NS delay keeps each wave in flight long enough that a fault lands while exchanges are pending.
     opt, timeouts["plain"] = _new_group_timeouts(
         lambda: OverlapMuon(net, adamw_kwargs=ADAMW_KW, tp_group=tp, remat_group=rm, overlap=True, fused_a2a=fused,
-                            ns_delay_s=0.2, **MUON_2D, **HP, **kw)
+                            _testing=TestingSeam(ns_delay_s=0.2), **MUON_2D, **HP, **kw)
     )
     fault_file = os.path.join(tmp, "fault_time")
 
@@ -277,13 +278,13 @@ def _check_lane_error(e: BaseException) -> list[str]:
 def test_lane_exception_surfaces_at_next_wait_with_traceback():
     """The step whose NS fails raises at its first wait point (step()'s reap or the next forward's wait), never
     later, with the original exception and traceback chained; the next forward never runs on stale weights."""
-    net, opt = _net_and_opt(ns_delay_s=0.1)
+    net, opt = _net_and_opt(_testing=TestingSeam(ns_delay_s=0.1))
     cs, _ = net.local_grads(0)
     net(cs).backward()
     opt.step()
     opt.zero_grad()
     opt.synchronize()  # step 0's NS must not pick up the patched function
-    opt._ns_many = _exploding_ns
+    opt._testing.ns_wrap = lambda ns, mats, kw: _exploding_ns(mats, kw)
     cs, _ = net.local_grads(1)
     net(cs).backward()
     raised_at = None
@@ -306,7 +307,7 @@ def _lane_error_body(rank, world):
     when rank 1 leaves, long before the group timeout)."""
     net, opt = _net_and_opt(1, 2, 0, rank, pg_timeout_s=PG_TIMEOUT_S)
     if rank == 1:
-        opt._ns_many = _exploding_ns
+        opt._testing.ns_wrap = lambda ns, mats, kw: _exploding_ns(mats, kw)
     try:
         for s in range(3):
             cs, _ = net.local_grads(s)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap_muon import OverlapMuon
+from overlap_muon.pipeline import TestingSeam
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, Deep, PlainShardNet, TinyNet, block, build_dtensor_model, local, plain_opt
 
@@ -119,10 +120,8 @@ def _scrambled(rank, world, R, T):
     g, t = divmod(rank, T)
     fulls, mu = _reference_plain(4)
     net = PlainShardNet(R, T, g, t)
-    opt = plain_opt(net, R, T, g, t, overlap=True, wave_slots=1)
-    launched = []
-    orig = opt._dispatcher._launch
-    opt._dispatcher._launch = lambda w: (launched.append(w.index), orig(w))[1]
+    seam = TestingSeam(timeline=[])
+    opt = plain_opt(net, R, T, g, t, overlap=True, wave_slots=1, _testing=seam)
     rng = random.Random(rank * 7 + 1)
     for s in range(4):
         order = list(net.SHAPES)
@@ -134,6 +133,7 @@ def _scrambled(rank, world, R, T):
     opt.synchronize()
     bad = _check_plain(net, opt, fulls, mu, R, T, g, t, f"scrambled rank {rank}")
     n = len(opt.waves)
+    launched = [k for ev, k, _ in seam.timeline if ev == "launch"]
     if launched != list(range(n)) * 4:
         bad.append(f"rank {rank} launched waves in order {launched}")
     opt.close()
@@ -223,12 +223,13 @@ def test_unused_and_sometimes_used_params(R, T):
 def test_ns_starts_inside_backward_and_forward_waits_only_for_its_wave():
     torch.manual_seed(0)
     model = Deep()
-    opt = OverlapMuon(model, overlap=True, wave_slots=1, ns_delay_s=0.05, **HP)
+    seam = TestingSeam(ns_delay_s=0.05)
+    opt = OverlapMuon(model, overlap=True, wave_slots=1, _testing=seam, **HP)
     x = torch.randn(8, 16)
     model(x).sum().backward()
     opt.step()
     opt.zero_grad()
-    opt.timeline = []
+    seam.timeline = []
     # Make backward long enough (host-side) that wave 0's NS must start inside it.
     import time as _time
 
@@ -248,10 +249,10 @@ def test_ns_starts_inside_backward_and_forward_waits_only_for_its_wave():
     t_bwd_end = _time.perf_counter()
     opt.step()
     # first module of the next forward
-    first_wave = opt._wave_of[0]
-    opt.timeline.append(("forward_begin", -1, _time.perf_counter()))
+    first_wave = next(w.index for w in opt.waves if 0 in w.params)
+    seam.timeline.append(("forward_begin", -1, _time.perf_counter()))
     model(x)
-    tl = list(opt.timeline)
+    tl = list(seam.timeline)
     opt.close()
     ns0 = [ts for ev, k, ts in tl if ev == "ns_start" and k == 0]
     assert ns0 and ns0[0] < t_bwd_end, f"wave 0's NS did not start inside backward: {tl}"
@@ -268,12 +269,10 @@ def test_ns_starts_inside_backward_and_forward_waits_only_for_its_wave():
 def test_lane_error_surfaces_with_traceback():
     torch.manual_seed(0)
     model = Deep(n=2)
-    opt = OverlapMuon(model, overlap=True, **HP)
-
     def boom(*a, **k):
         raise FloatingPointError("injected NS failure")
 
-    opt._ns_many = boom
+    opt = OverlapMuon(model, overlap=True, _testing=TestingSeam(ns_wrap=boom), **HP)
     model(torch.randn(2, 16)).sum().backward()
     with pytest.raises(RuntimeError, match="lane task failed") as ei:
         opt.step()  # surfaces here if the lane already failed, else at synchronize()
@@ -390,7 +389,7 @@ def _fsdp_prefetch(rank, world):
         fully_shard(model, mesh=mesh)
         for a, b in zip(order, order[1:]):
             a.set_modules_to_forward_prefetch([b])
-        opt = OverlapMuon(model, device_mesh=mesh, overlap=overlap, wave_slots=1, ns_delay_s=0.02, **HP)
+        opt = OverlapMuon(model, device_mesh=mesh, overlap=overlap, wave_slots=1, _testing=TestingSeam(ns_delay_s=0.02), **HP)
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
         for _ in range(3):
             model(x).pow(2).sum().backward()
@@ -434,14 +433,22 @@ def test_gradient_on_some_ranks_only_is_an_error_everywhere(overlap):
     assert all(run_ranks(_split_presence, 2, overlap, timeout=60, pg_timeout=30))
 
 
-def test_second_backward_without_no_sync_is_an_error():
+def test_second_backward_before_step_counts_like_torch():
     """Regression: a second backward before step() in overlap mode used to be ignored by Muon (its wave had
-    already launched with the first micro-batch's gradient) while AdamW saw the sum."""
+    already launched with the first micro-batch's gradient) while AdamW saw the sum; then it raised. Now the
+    speculative waves of the first backward are dropped and step() uses the summed gradient, as torch does."""
     torch.manual_seed(0)
     model = Deep(n=2)
+    ref = Deep(n=2)
+    ref.load_state_dict(model.state_dict())
     opt = OverlapMuon(model, overlap=True, **HP)
+    mu = torch.optim.Muon([p for p in ref.parameters() if p.ndim == 2], **HP)
     x = torch.randn(2, 16)
-    model(x).sum().backward()
-    with pytest.raises(RuntimeError, match="no_sync"):
-        model(x).sum().backward()
+    for m in (model, ref):
+        m(x).sum().backward()
+        m(x).sum().backward()
+    opt.step()
+    mu.step()
+    opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()) if a.ndim == 2)
     opt.close()

@@ -1,0 +1,538 @@
+"""The wave pipeline: one Muon wave's trip from its gradients to its applied update, and nothing else.
+
+[Note: one matrix from hook to forward wait] Read this file top to bottom to follow a matrix ``W`` (full shape
+``(P, Q)``, this rank's shard ``w``) through one step:
+
+1. Backward accumulates ``w.grad``; the grad-ready hook (``hooks.GradReadyTracker``) tells the optimizer, whose
+   :class:`scheduler.WaveDispatcher` calls :meth:`WavePipeline.launch` for ``W``'s wave ``k`` once every matrix of
+   the wave is ready (strictly in wave order on every rank: DESIGN.md invariant 2).
+2. ``launch`` builds a :class:`WaveState` (the gradients it reads, their version counters and the
+   hyper-parameters it uses) and queues three lane tasks (``overlap_muon.lanes``):
+   ``to_home`` (agree on gradient presence; new momentum out of place, Nesterov, bf16 cast; ``all_to_all`` to
+   the NS homes), ``compute`` (batched NS on this rank's homes) and ``from_home`` (``all_to_all`` back: this
+   rank's block of every ``O``). Nothing the user can see changes: the wave is *speculative*.
+3. ``step()`` calls :meth:`WavePipeline.commit`: a wave whose gradients were edited in place since launch
+   (clipping, unscaling, DDP averaging: the tensors' ``_version`` counters moved), whose set of gradients
+   changed, or whose momentum/NS hyper-parameters changed is *stale*; the ranks agree on the stale set (one
+   small all-reduce on the runtime's gloo group) and re-launch those waves with the current values. Then one
+   ``apply`` task per wave, on the ``from_home`` lane, copies the new momentum into the buffer and applies
+   weight decay and the update with the ``lr`` and ``weight_decay`` read at that ``step()`` call.
+4. The next forward's pre-hook for ``W``'s module calls :meth:`WavePipeline.wait` (``[k]``): CPU: the host waits
+   for the apply task; CUDA: the current stream (and FSDP2's all-gather streams) wait on its event. Then the
+   wave's state is released (:meth:`WavePipeline.reap`).
+
+[Note: release on time] (DESIGN.md invariant 9) A :class:`WaveState` names every tensor the wave holds. On CPU
+each task drops what the next one no longer needs (the full matrices after NS, the NS results and packed
+momenta after the scatter, the gradients, new momenta and update blocks after the apply), and the state leaves
+the pipeline at the first wait or reap after its apply. On CUDA a tensor read on another stream than the one
+that allocated it must live until that stream is done with it (invariant 5, no ``record_stream``), so the state
+keeps all of them until its apply event has completed (``event.query()``, never a host sync) and is released
+then. Nothing is held into the next step.
+
+[Note: gradient presence without the device] A param without a gradient is skipped (as ``torch.optim.Muon``
+does), so which params take part is decided per rank, and ranks that disagree would post mismatched exchanges.
+Each wave's ``to_home`` task first exchanges one byte per matrix with every peer on the domain's *gloo* group
+(``Domain.ctrl_group``), built from ``param.grad is None`` on the host: no device tensor is read or made, so on
+CUDA the launch never waits for the GPU. It runs on the lane (a worker thread on CPU); on CUDA, where lane work
+is enqueued from the launching thread, it waits for the peers' hosts only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from scheduler.waves import Wave
+
+from .config import OverlapMuonConfig
+from .domain import Domain, MuonParam, local_tensor
+from .lanes import LaneHandle, Lanes
+from .layer_sharded_a2a import all_gather_full, from_homes, local_shard, to_homes
+from .muon_math import apply_update, momentum_update, ns_input
+from .ns import zeropower
+from .profiling import prof_range, wave_range_name
+
+__all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam"]
+
+
+@dataclass
+class TestingSeam:
+    """Private seam for tests: never part of the public constructor.
+
+    Attributes:
+        ns_delay_s: seconds slept at the start of each ``compute`` task (makes overlap observable on CPU).
+        timeline: when a list, ``(event, wave, time.perf_counter())`` records of launches, NS starts and waits.
+        ns_wrap: when set, ``ns_wrap(ns, mats, kw)`` replaces each batched NS call ``ns(mats, kw)`` (count calls,
+            inject a failure).
+        on_state: when set, called with each :class:`WaveState` at launch (tests take weakrefs of its tensors).
+    """
+
+    __test__ = False  # not a pytest class
+
+    ns_delay_s: float = 0.0
+    timeline: list[tuple[str, int, float]] | None = None
+    ns_wrap: Callable[..., list[Tensor]] | None = None
+    on_state: Callable[["WaveState"], None] | None = None
+
+    def record(self, event: str, wave: int) -> None:
+        if self.timeline is not None:
+            self.timeline.append((event, wave, time.perf_counter()))
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The hyper-parameters a wave's NS input depends on; a wave launched with other values is stale at commit.
+
+    ``lr`` and ``weight_decay`` are not here: they enter only the apply, which reads them at ``step()``.
+    """
+
+    momentum: float
+    nesterov: bool
+    ns_coefficients: Any
+    ns_steps: int
+    eps: float
+
+    @staticmethod
+    def of(group: dict[str, Any]) -> "Hyper":
+        return Hyper(group["momentum"], group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+
+@dataclass(eq=False)
+class WaveState:
+    """Everything one launched wave holds, and the lane handles that say when it may be released.
+
+    Tensor fields are written by the task named beside them and set to ``None`` when released ([Note: release
+    on time]). Shapes: "shard" is this rank's block of a param (its local tensor), "(P, Q)" a full matrix.
+    """
+
+    wave: Wave
+    items: list[int]
+    """Param indices of the wave that have a gradient on this rank, in wave order."""
+    hyper: Hyper
+    grads: list[Tensor] | None
+    """The gradients read, as ``param.grad`` holds them (DTensor or shard; set by ``launch``; released after the
+    apply)."""
+    versions: list[tuple[int, int]]
+    """Version counters of each gradient and of its local shard at launch; ``commit`` compares them."""
+    new_bufs: list[Tensor] | None = None
+    """Shards, param dtype: the new momentum, out of place (``to_home``; copied into the buffer by the apply)."""
+    packed: list[Tensor] | None = None
+    """Shards, bf16: the NS inputs sent to the homes (``to_home``; released after ``from_home``)."""
+    fulls: list[Tensor] | None = None
+    """(P, Q) bf16: matrices assembled on this rank's homes (``to_home``; released after NS)."""
+    mine: list[int] | None = None
+    """Positions in ``items`` of the matrices homed on this rank (``to_home``)."""
+    outs: list[Tensor] | None = None
+    """(P, Q) bf16: NS results on this rank's homes (``compute``; released after ``from_home``)."""
+    updates: list[Tensor] | None = None
+    """Shards, bf16: this rank's block of each NS result (``from_home``; released after the apply)."""
+    empty: bool = False
+    """No rank of the domain has a gradient for this wave (``to_home``): nothing to apply."""
+    # Handles. On CUDA each carries an event recorded by its lane after its kernels. Who waits on it:
+    # h_to -- the compute lane (h_ns's dependency); h_ns -- the from_home lane; h_from -- the apply task;
+    # h_apply -- forward pre-hooks (current stream, FSDP2's all-gather streams), synchronize(), reap().
+    h_to: LaneHandle | None = None
+    h_ns: LaneHandle | None = None
+    h_from: LaneHandle | None = None
+    h_apply: LaneHandle | None = None
+    committed: bool = False
+
+    def handles(self) -> list[LaneHandle]:
+        return [h for h in (self.h_to, self.h_ns, self.h_from, self.h_apply) if h is not None]
+
+    def done(self) -> bool:
+        """Every queued task has finished (CPU: host side; CUDA: its event has completed). Never blocks."""
+        return all(h.done() for h in self.handles())
+
+    def release(self) -> None:
+        """Drop every tensor the wave holds."""
+        self.grads = self.new_bufs = self.packed = self.fulls = self.outs = self.updates = None
+
+
+class WavePipeline:
+    """Owns the lanes, the runtime's domains and process groups, the route plans and one state per wave.
+
+    Args:
+        muon: the Muon params (index ``i`` is ``muon[i].index``).
+        state: the optimizer's ``state`` dict (``state[param]["momentum_buffer"]``).
+        dom_to, dom_from: this rank's domain with the group sets of the gather and the scatter lanes ([Note: one
+            process-group set per communicating lane] in ``lanes.py``).
+        config: the runtime options.
+        device: where the Muon params live.
+        stats: the optimizer's counters (``ns_matrices``, ``ns_calls``, ``waves_launched``, ``reruns``).
+        ctrl_group: a gloo group over every rank of the job for ``commit``'s agreement (``None``: one process).
+        testing: the private :class:`TestingSeam`.
+    """
+
+    def __init__(
+        self,
+        muon: Sequence[MuonParam],
+        state: dict,
+        dom_to: Domain,
+        dom_from: Domain,
+        config: OverlapMuonConfig,
+        device: torch.device,
+        stats: dict[str, int],
+        ctrl_group: dist.ProcessGroup | None,
+        testing: TestingSeam,
+    ) -> None:
+        self.muon = list(muon)
+        self.state = state
+        self.dom_to, self.dom_from = dom_to, dom_from
+        self.config = config
+        self.stats = stats
+        self.ctrl_group = ctrl_group
+        self.testing = testing
+        self.lanes = Lanes(device, side_streams=config.side_streams, delay_s=testing.ns_delay_s)
+        # On CPU (and inline) a task may drop what the next no longer needs; on CUDA only whole states are
+        # released, after their last event ([Note: release on time]).
+        self._eager_release = not self.lanes.cuda
+        self._route_plans: dict[Any, dict] = {}
+        self._pending: dict[int, WaveState] = {}  # launched, not yet committed, by wave index
+        self._applied: dict[int, WaveState] = {}  # committed, apply not yet waited for
+        self._orphans: list[WaveState] = []  # discarded while tasks were still queued (their exchanges run on)
+        self._lock = threading.RLock()
+
+    # --------------------------------------------------------------------------------------------------------
+    # launch: three lane tasks, speculative
+    # --------------------------------------------------------------------------------------------------------
+    def launch(self, wave: Wave, hyper: Hyper) -> WaveState:
+        """Queue wave ``wave``'s exchange to the homes, NS and exchange back, with the gradients present now.
+
+        Called in wave order on every rank (from a grad-ready hook, the end-of-backward flush or ``step()``).
+        Changes no param and no optimizer state.
+        """
+        items = [i for i in wave.params if self.muon[i].param.grad is not None]
+        grads = [self.muon[i].param.grad for i in items]
+        st = WaveState(wave, items, hyper, grads, [_versions(g) for g in grads])
+        self.stats["waves_launched"] += 1
+        self.testing.record("launch", wave.index)
+        if self.testing.on_state is not None:
+            self.testing.on_state(st)
+        check = self.config.check_grad_presence and self.dom_to.ctrl_group is not None
+        if not items and not check:
+            st.empty = True
+        else:
+            st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st, check))
+            st.h_ns = self.lanes.submit("compute", lambda: self._ns_task(st), deps=[st.h_to])
+            st.h_from = self.lanes.submit("from_home", lambda: self._from_home_task(st), deps=[st.h_ns])
+        with self._lock:
+            old = self._pending.pop(wave.index, None)
+            if old is not None:
+                self._orphan(old)
+            self._pending[wave.index] = st
+        return st
+
+    def _to_home_task(self, st: WaveState, check: bool) -> None:
+        k, dom = st.wave.index, self.dom_to
+        if check:
+            self._exchange(st, "a2a_to_home", dom, lambda: self._agree_on_gradients(st))
+        if not st.items:
+            st.empty = True
+            return
+        mps = [self.muon[i] for i in st.items]
+        h = st.hyper
+        with prof_range(wave_range_name(k, "pack"), nvtx=self.config.nvtx):
+            bufs = [local_tensor(self.state[m.param]["momentum_buffer"]) for m in mps]
+            grads = [local_tensor(g) for g in st.grads]
+            st.new_bufs = [momentum_update(b, g, h.momentum) for b, g in zip(bufs, grads)]
+            st.packed = [ns_input(g, nb, h.momentum, h.nesterov) for g, nb in zip(grads, st.new_bufs)]
+        pds, shapes = [m.partition_dim for m in mps], [m.full_shape for m in mps]
+        with prof_range(wave_range_name(k, "a2a_to_home"), nvtx=self.config.nvtx):
+            if self.config.mode == "duplicated":
+                st.fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(st.packed, pds, shapes, dom))
+                st.mine = list(range(len(mps)))
+            else:
+                homes = [st.wave.homes[i] for i in st.items]
+                plan = self._route_plans.setdefault(("to", k, tuple(st.items)), {})
+                st.fulls, st.mine = self._exchange(
+                    st, "a2a_to_home", dom,
+                    lambda: to_homes(st.packed, homes, pds, shapes, dom, fused=self.config.fused_a2a, plan=plan),
+                )
+
+    def _ns_task(self, st: WaveState) -> None:
+        if st.empty:
+            return
+        self.testing.record("ns_start", st.wave.index)
+        h = st.hyper
+        kw = dict(ns_coefficients=h.ns_coefficients, ns_steps=h.ns_steps, eps=h.eps)
+        with prof_range(wave_range_name(st.wave.index, "ns"), nvtx=self.config.nvtx):
+            fn = self._ns_many
+            st.outs = self.testing.ns_wrap(fn, st.fulls, kw) if self.testing.ns_wrap else fn(st.fulls, kw)
+        if self._eager_release:
+            st.fulls = None
+
+    def _from_home_task(self, st: WaveState) -> None:
+        if st.empty:
+            return
+        mps = [self.muon[i] for i in st.items]
+        pds, shapes = [m.partition_dim for m in mps], [m.full_shape for m in mps]
+        dom = self.dom_from
+        with prof_range(wave_range_name(st.wave.index, "a2a_from_home"), nvtx=self.config.nvtx):
+            if self.config.mode == "duplicated":
+                st.updates = [local_shard(o, pd, dom) for o, pd in zip(st.outs, pds)]
+            else:
+                homes = [st.wave.homes[i] for i in st.items]
+                plan = self._route_plans.setdefault(("from", st.wave.index, tuple(st.items)), {})
+                st.updates = self._exchange(
+                    st, "a2a_from_home", dom,
+                    lambda: from_homes(st.outs, st.mine, st.packed, homes, pds, shapes, dom,
+                                       fused=self.config.fused_a2a, plan=plan),
+                )
+        if self._eager_release:
+            st.outs = st.packed = None
+
+    def _apply_task(self, st: WaveState, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None) -> None:
+        if not st.empty:
+            with prof_range(wave_range_name(st.wave.index, "apply"), nvtx=self.config.nvtx):
+                for j, i in enumerate(st.items):
+                    m = self.muon[i]
+                    local_tensor(self.state[m.param]["momentum_buffer"]).copy_(st.new_bufs[j])
+                    apply_update(local_tensor(m.param), st.updates[j], lr, weight_decay, adjust_lr_fn, m.full_shape)
+        if self._eager_release:
+            st.release()
+
+    def _ns_many(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
+        """NS of each matrix; same-shape matrices batched (no flattening across matrices)."""
+        self.stats["ns_matrices"] += len(mats)
+        if not self.config.batch_ns:
+            self.stats["ns_calls"] += len(mats)
+            return [zeropower(m, **kw) for m in mats]
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for j, m in enumerate(mats):
+            by_shape.setdefault(tuple(m.shape), []).append(j)
+        out: list[Tensor | None] = [None] * len(mats)
+        for js in by_shape.values():
+            self.stats["ns_calls"] += 1
+            if len(js) == 1:
+                out[js[0]] = zeropower(mats[js[0]], **kw)
+            else:
+                res = zeropower(torch.stack([mats[j] for j in js]), **kw)
+                for r, j in enumerate(js):
+                    out[j] = res[r]
+        return out  # type: ignore[return-value]
+
+    def _agree_on_gradients(self, st: WaveState) -> None:
+        """Raise on every rank of the domain if its ranks disagree on which params of the wave have a gradient.
+
+        Host-side only ([Note: gradient presence without the device]): CPU uint8 flags, one ``all_to_all`` on the
+        domain's gloo group (every rank hears from every peer directly, so a dead peer shows at once).
+
+        Raises:
+            ValueError: some params have a gradient on some ranks of the domain and not on others.
+        """
+        dom, params = self.dom_to, st.wave.params
+        have = torch.tensor([1 if i in st.items else 0 for i in params], dtype=torch.uint8)
+        everyone = torch.empty(dom.size * have.numel(), dtype=torch.uint8)
+        dist.all_to_all_single(everyone, have.repeat(dom.size), group=dom.ctrl_group)
+        table = everyone.view(dom.size, -1)
+        agree = (table == table[0]).all(dim=0).tolist()
+        split = [self.muon[i].name for i, ok in zip(params, agree) if not ok]
+        if split:
+            raise ValueError(
+                f"Muon params {split} have a gradient on some ranks of the {dom.remat_size}x{dom.tp_size} domain "
+                f"and not on others (this rank: {[self.muon[i].name for i in st.items if self.muon[i].name in split]} "
+                "have one); every rank of a domain must compute the same params' gradients"
+            )
+
+    def _exchange(self, st: WaveState, phase: str, dom: Domain, fn: Callable[[], Any]) -> Any:
+        """Run a collective; name the wave, the exchange, the group and the params in any error it raises."""
+        try:
+            return fn()
+        except ValueError:
+            raise  # bad input, already named (raised on every rank before the collective)
+        except Exception as e:
+            fused = self.config.fused_a2a
+            op = "all_gather" if self.config.mode == "duplicated" else "all_to_all"
+            raise RuntimeError(
+                f"OverlapMuon wave {st.wave.index} {phase} failed on rank {dist.get_rank()} "
+                f"({'fused' if fused else 'two-stage'} {op} over the runtime's {self._group_desc(dom)}; "
+                f"params {[self.muon[i].name for i in st.items]}): {e}"
+            ) from e
+
+    def _group_desc(self, dom: Domain) -> str:
+        if self.config.fused_a2a or self.config.mode == "duplicated":
+            g, what = dom.flat_group, "flat R x T group"
+        else:
+            g, what = dom.remat_group or dom.tp_group, "remat/TP groups"
+        ranks = dist.get_process_group_ranks(g) if g is not None else [dist.get_rank()]
+        return f"{what} {dom.remat_size}x{dom.tp_size}, global ranks {ranks}"
+
+    # --------------------------------------------------------------------------------------------------------
+    # commit: only step() changes params and state
+    # --------------------------------------------------------------------------------------------------------
+    def stale(self, st: WaveState, hyper: Hyper) -> bool:
+        """Would the wave compute something else if launched now? (host-side checks only)."""
+        if st.hyper != hyper:
+            return True
+        items = [i for i in st.wave.params if self.muon[i].param.grad is not None]
+        if items != st.items:
+            return True
+        for j, i in enumerate(items):
+            g = self.muon[i].param.grad
+            if g is not st.grads[j] or _versions(g) != st.versions[j]:
+                return True
+        return False
+
+    def commit(self, waves: Sequence[Wave], group: dict[str, Any], *, validate: bool, skip: bool) -> int:
+        """Validate the launched waves, re-run the stale ones, and queue every wave's apply with ``group``'s values.
+
+        Args:
+            waves: the plan (every wave has been launched this step).
+            group: the Muon param group now (``lr``, ``weight_decay``, ``adjust_lr_fn`` read here).
+            validate: check for stale waves (``False`` when the waves were launched inside this ``step()``).
+            skip: drop the step (``skip_nonfinite``): nothing is applied, momentum stays as it was.
+
+        Returns:
+            The number of waves re-run.
+        """
+        with self._lock:
+            pending = dict(self._pending)
+        if skip:
+            self.discard()
+            return 0
+        reruns = 0
+        if validate and pending:
+            hyper = Hyper.of(group)
+            flags = torch.tensor([1 if self.stale(pending[w.index], hyper) else 0 for w in waves], dtype=torch.uint8)
+            if self.ctrl_group is not None:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+            for w, f in zip(waves, flags.tolist()):
+                if f:
+                    pending[w.index] = self.launch(w, hyper)
+                    reruns += 1
+            self.stats["reruns"] += reruns
+        lr = group["lr"]
+        lr = lr.clone() if isinstance(lr, Tensor) else lr  # a scheduler may fill it before the apply runs
+        wd, adj = group["weight_decay"], group["adjust_lr_fn"]
+        with self._lock:
+            for k in sorted(pending):
+                st = pending[k]
+                deps = [st.h_from] if st.h_from is not None else []
+                st.h_apply = self.lanes.submit("from_home", lambda st=st: self._apply_task(st, lr, wd, adj), deps=deps)
+                st.committed = True
+                self._pending.pop(k, None)
+                self._applied[k] = st
+        return reruns
+
+    def discard(self) -> None:
+        """Forget every uncommitted wave (``zero_grad()``, a new backward before ``step()``, a skipped step).
+
+        Their queued exchanges still run (every rank queued them), their results are dropped.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            for st in pending.values():
+                self._orphan(st)
+
+    def _orphan(self, st: WaveState) -> None:
+        if self._eager_release and st.done():
+            st.release()
+            return
+        self._orphans.append(st)
+
+    # --------------------------------------------------------------------------------------------------------
+    # waits and release
+    # --------------------------------------------------------------------------------------------------------
+    def wait(self, waves: Iterable[int], streams: Sequence[Any] = ()) -> None:
+        """Make the caller wait until the committed updates of ``waves`` have landed.
+
+        CPU: the host waits for each apply task. CUDA: the current stream, and each of ``streams`` (e.g. FSDP2's
+        all-gather copy-in stream), wait on the apply event; the host does not wait. Uncommitted waves change
+        nothing, so there is nothing to wait for.
+
+        Raises:
+            RuntimeError: a lane task of the wave failed (its traceback is chained).
+        """
+        for k in waves:
+            with self._lock:
+                st = self._applied.get(k)
+            if st is None:
+                continue
+            self.testing.record("wait_begin", k)
+            with prof_range(f"OverlapMuon::wait::wave{k}", nvtx=self.config.nvtx):
+                _wait(st.h_apply, streams)
+            self.testing.record("wait_end", k)
+            if st.done():
+                with self._lock:
+                    if self._applied.get(k) is st:
+                        del self._applied[k]
+                st.release()
+
+    def reap(self) -> None:
+        """Release every state whose tasks have all finished; surface a failed task now. Never blocks."""
+        with self._lock:
+            finished = [k for k, st in self._applied.items() if st.done()]
+            states = [self._applied.pop(k) for k in finished]
+            orphans = [st for st in self._orphans if st.done()]
+            self._orphans = [st for st in self._orphans if not st.done()]
+        for st in orphans:
+            st.release()
+        for st in states:
+            for h in st.handles():
+                _wait(h, ())
+            st.release()
+
+    def synchronize(self) -> None:
+        """Block the host until every committed wave is applied and every orphaned task has finished.
+
+        Raises:
+            RuntimeError: a lane task failed; its original exception (and traceback) is chained.
+        """
+        with self._lock:
+            states, self._applied = list(self._applied.values()), {}
+            orphans, self._orphans = self._orphans, []
+        error: BaseException | None = None
+        for st in orphans + states:
+            for h in st.handles():
+                if h.event is not None:
+                    h.event.synchronize()
+                try:
+                    _wait(h, ())
+                except BaseException as e:  # noqa: BLE001 - every wave is waited for first, then raised
+                    if error is None and st.committed:
+                        error = e
+            st.release()
+        if error is not None:
+            raise error
+
+    def has_pending(self) -> bool:
+        """Some wave has been launched this step and not committed."""
+        with self._lock:
+            return bool(self._pending)
+
+    def reset_plans(self) -> None:
+        """The wave plan changed: route plans are per (wave, params), drop them."""
+        self._route_plans.clear()
+
+    def close(self) -> None:
+        """Stop the lane threads once their queued tasks are done (does not wait for them)."""
+        self.lanes.shutdown(wait=False)
+
+
+def _versions(grad: Tensor) -> tuple[int, int]:
+    """Version counters of a gradient and of its local shard: an in-place op on a DTensor bumps the wrapper's
+    only (the local op runs below autograd's version tracking), one on the local shard bumps the shard's."""
+    return grad._version, local_tensor(grad)._version
+
+
+def _wait(h: LaneHandle | None, streams: Sequence[Any]) -> None:
+    if h is None:
+        return
+    try:
+        h.wait_on_current_stream()
+        if h.event is not None:
+            for s in streams:
+                s.wait_event(h.event)
+    except BaseException as e:
+        raise RuntimeError(
+            f"OverlapMuon: a {h.lane} lane task failed (see the chained exception for its traceback); "
+            "the step's Muon update is incomplete"
+        ) from e

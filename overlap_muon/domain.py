@@ -130,8 +130,12 @@ class Domain:
         layouts: list[list[list[int]]],
         *,
         timeout: datetime.timedelta | None = None,
+        with_ctrl: bool = True,
     ) -> "Domain":
         """Build this rank's domain given every domain's ``layout[g][t] = global rank`` (identical on all ranks).
+
+        ``with_ctrl``: also give it a gloo ``ctrl_group`` for host-side flags (the flat group itself when the job's
+        backend is gloo, else a new gloo group over the same ranks).
 
         ``new_group`` is collective over the default group, so all ranks create all groups in one order.
 
@@ -163,6 +167,8 @@ class Domain:
         if mine is None:
             raise ValueError(f"rank {me} is in none of the domain layouts {layouts}")
         kw = {} if timeout is None else {"timeout": timeout}
+        # Host-side flags need a gloo group; a gloo job's flat group is one already.
+        gloo_ctrl = with_ctrl and dist.get_backend() != "gloo"
         groups: dict[tuple[str, tuple[int, ...]], ProcessGroup] = {}
 
         def make(kind: str, ranks: list[int], **extra: str) -> None:
@@ -176,7 +182,8 @@ class Domain:
             for g in range(R):
                 make("tp", list(layout[g]))
             make("flat", [r for row in layout for r in row])
-            make("ctrl", [r for row in layout for r in row], backend="gloo")
+            if gloo_ctrl:
+                make("ctrl", [r for row in layout for r in row], backend="gloo")
         layout, g, t = mine
         R, T = len(layout), len(layout[0])
         return Domain(
@@ -187,7 +194,8 @@ class Domain:
             remat_group=groups.get(("remat", tuple(layout[gg][t] for gg in range(R)))),
             tp_group=groups.get(("tp", tuple(layout[g]))),
             flat_group=groups.get(("flat", tuple(r for row in layout for r in row))),
-            ctrl_group=groups.get(("ctrl", tuple(r for row in layout for r in row))),
+            ctrl_group=groups.get(("ctrl" if gloo_ctrl else "flat", tuple(r for row in layout for r in row)))
+            if with_ctrl else None,
         )
 
 

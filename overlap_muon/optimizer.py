@@ -164,8 +164,8 @@ class OverlapMuon(torch.optim.Optimizer):
         timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
         distributed = layouts is not None and dist.get_world_size() > 1
         dom_to = Domain.from_all_layouts(layouts, timeout=timeout) if distributed else Domain.single()
-        dom_from = Domain.from_all_layouts(layouts, timeout=timeout) if distributed else Domain.single()
-        ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
+        dom_from = Domain.from_all_layouts(layouts, timeout=timeout, with_ctrl=False) if distributed else Domain.single()
+        ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed else None  # step()'s agreement
         self.domain = dom_to
         """This rank's :class:`~overlap_muon.domain.Domain` (sizes R x T, coordinates g, t)."""
 

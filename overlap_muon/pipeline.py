@@ -220,7 +220,12 @@ class WavePipeline:
         if not items and not check:
             st.empty = True
         else:
-            st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st, check))
+            # The momentum buffers this wave reads must hold the previous step's committed values: wait for the
+            # applies (on the from_home lane) of earlier waves that still write them.
+            with self._lock:
+                writers = [a.h_apply for a in self._applied.values()
+                           if a.h_apply is not None and not a.h_apply.done() and set(a.items) & set(items)]
+            st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st, check), deps=writers)
             st.h_ns = self.lanes.submit("compute", lambda: self._ns_task(st), deps=[st.h_to])
             st.h_from = self.lanes.submit("from_home", lambda: self._from_home_task(st), deps=[st.h_ns])
         with self._lock:

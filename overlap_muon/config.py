@@ -25,6 +25,8 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 MODES = ("layer_sharded", "duplicated")
 BALANCES = ("lpt", "round_robin")
+SURPLUS = ("idle", "duplicate", "team", "auto")
+_BOOLS = ("overlap", "fused_a2a", "batch_ns", "side_streams", "nvtx", "syrk")
 
 #: field name -> environment variable
 ENV_VARS: dict[str, str] = {
@@ -37,6 +39,8 @@ ENV_VARS: dict[str, str] = {
     "side_streams": "OVERLAP_MUON_SIDE_STREAMS",
     "nvtx": "OVERLAP_MUON_NVTX",
     "pg_timeout_s": "OVERLAP_MUON_PG_TIMEOUT_S",
+    "syrk": "OVERLAP_MUON_SYRK",
+    "surplus": "OVERLAP_MUON_SURPLUS",
 }
 
 
@@ -62,6 +66,12 @@ class OverlapMuonConfig:
     """Emit NVTX ranges beside ``torch.profiler.record_function`` (default: on when CUDA is available)."""
     pg_timeout_s: float = 600.0
     """Timeout of every process group the runtime creates, seconds."""
+    syrk: bool = False
+    """NS computes ``X Xᵀ`` and ``A @ A`` as symmetric block products (fewer FLOPs; not bitwise on every platform,
+    see ``overlap_muon.ns`` [Note: symmetric Gram])."""
+    surplus: str = "idle"
+    """What homes without a matrix in a wave do: ``idle``, ``duplicate`` (extra homes of a matrix), ``team`` (split
+    one matrix's NS) or ``auto`` (by ``scheduler.surplus``'s cost model)."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     """Where each value came from: ``default``, ``env`` or ``argument``."""
 
@@ -70,11 +80,13 @@ class OverlapMuonConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.balance not in BALANCES:
             raise ValueError(f"balance must be one of {BALANCES}, got {self.balance!r}")
+        if self.surplus not in SURPLUS:
+            raise ValueError(f"surplus must be one of {SURPLUS}, got {self.surplus!r}")
         if self.wave_slots is not None and (
             isinstance(self.wave_slots, bool) or not isinstance(self.wave_slots, int) or self.wave_slots < 1
         ):
             raise ValueError(f"wave_slots must be a positive int or None, got {self.wave_slots!r}")
-        for name in ("overlap", "fused_a2a", "batch_ns", "side_streams", "nvtx"):
+        for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.pg_timeout_s, (int, float)) and self.pg_timeout_s > 0 and math.isfinite(self.pg_timeout_s)):
@@ -100,7 +112,7 @@ def _parse_bool(var: str, raw: str) -> bool:
 
 
 def _parse_env(name: str, var: str, raw: str) -> Any:
-    if name in ("overlap", "fused_a2a", "batch_ns", "side_streams", "nvtx"):
+    if name in _BOOLS:
         return _parse_bool(var, raw)
     if name == "mode":
         v = raw.strip().lower()
@@ -111,6 +123,11 @@ def _parse_env(name: str, var: str, raw: str) -> Any:
         v = raw.strip().lower()
         if v not in BALANCES:
             raise ValueError(f"{var}={raw!r}: expected one of {', '.join(BALANCES)}")
+        return v
+    if name == "surplus":
+        v = raw.strip().lower()
+        if v not in SURPLUS:
+            raise ValueError(f"{var}={raw!r}: expected one of {', '.join(SURPLUS)}")
         return v
     if name == "wave_slots":
         try:

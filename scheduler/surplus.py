@@ -138,7 +138,7 @@ class SurplusPlan:
     assignments: Mapping[int, SurplusAssignment]
     """Param index -> its assignment; keys are exactly the wave's params."""
     rank_load_s: tuple[float, ...]
-    """Per domain rank, the summed estimates of the matrices it holds, seconds."""
+    """Per domain rank, its ``busy_s`` plus the summed estimates of the matrices it holds, seconds."""
     wave_s: float
     """``max(rank_load_s)``: the estimated time of the wave, seconds."""
     surplus_ranks: tuple[int, ...]
@@ -209,21 +209,22 @@ def _dup_served(ranks: Sequence[int], nodes: _Nodes) -> list[list[int]]:
     return served
 
 
-def _estimate(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes, cm: SurplusCostModel) -> float:
+def _estimate_parts(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes,
+                    cm: SurplusCostModel) -> list[tuple[float, float, float]]:
+    """Per member of ``ranks``: ``(to-home, NS lane, back)`` seconds; see [Note: surplus cost model]."""
     p, q = shape
     S, k = nodes.S, len(ranks)
     M = p * q * cm.dtype_bytes
     s = M / S
     ns = ns_flops((p, q), cm.ns_steps) / cm.ns_flops_per_s
-    worst = 0.0
-    if kind == "duplicate":
-        served = _dup_served(ranks, nodes)
+    served = _dup_served(ranks, nodes) if kind == "duplicate" else None
+    out = []
     for j, h in enumerate(ranks):
         share = 1.0 / k if kind == "team" else 1.0
         intra_peers = nodes.same_node_peers(h)
         inter_peers = S - 1 - intra_peers
         to = _link_s(intra_peers * s * share, inter_peers * s * share, cm)
-        if kind == "duplicate":
+        if served is not None:
             same = sum(1 for r in served[j] if nodes.node(r) == nodes.node(h))
             back = _link_s(same * s, (len(served[j]) - same) * s, cm)
         else:
@@ -238,8 +239,12 @@ def _estimate(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _N
             work = ns / (k * cm.team_efficiency)
             work += gathers * cm.latency_s + max(gathered * frac_same / cm.intra_node_bytes_per_s,
                                                  gathered * (1 - frac_same) / cm.inter_node_bytes_per_s)
-        worst = max(worst, to + work + back)
-    return worst
+        out.append((to, work, back))
+    return out
+
+
+def _estimate(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes, cm: SurplusCostModel) -> float:
+    return max(a + b + c for a, b, c in _estimate_parts(shape, kind, ranks, nodes, cm))
 
 
 def matrix_estimate_s(
@@ -277,10 +282,11 @@ def matrix_estimate_s(
 
 
 def _greedy(kind: str, params: Sequence[int], homes: Mapping[int, int], shapes: Mapping[int, tuple[int, int]],
-            surplus: list[int], nodes: _Nodes, cm: SurplusCostModel) -> tuple[dict[int, list[int]], dict[int, float]]:
+            surplus: list[int], nodes: _Nodes, cm: SurplusCostModel,
+            busy: Sequence[float]) -> tuple[dict[int, list[int]], dict[int, float]]:
     ranks = {i: [homes[i]] for i in params}
     est = {i: _estimate(shapes[i], "single", ranks[i], nodes, cm) for i in params}
-    load = [0.0] * nodes.S
+    load = list(busy)
     for i in params:
         load[homes[i]] += est[i]
     holders: dict[int, list[int]] = {}
@@ -297,21 +303,24 @@ def _greedy(kind: str, params: Sequence[int], homes: Mapping[int, int], shapes: 
         base = list(ranks[i])
         k0 = len(base)
         release: list[int] = []
+        # Only ranks free no later than the matrix's own ranks: a helper still busy would delay it.
+        ready = max(busy[x] for x in base)
+        eligible = [x for x in avail if busy[x] <= ready]
         if kind == "team" and all(holders[x] == [i] for x in base):
             # [Note: team relocation] A team is cheap only inside a node (its gathers are ns_steps * (m*m + m*n)
             # elements). A matrix whose ranks hold nothing else may move, whole, to the node where it would have
             # the most ranks (free ones plus its own there; ties keep its node, then the lowest node); its old
             # ranks join the free ones.
             room: dict[int, int] = {}
-            for x in avail + base:
+            for x in eligible + base:
                 room[nodes.node(x)] = room.get(nodes.node(x), 0) + 1
             here = nodes.node(base[0])
             node = max(sorted(room), key=lambda n: (room[n], n == here))
             if node != here:
-                release, base = base, [min(x for x in avail if nodes.node(x) == node)]
+                release, base = base, [min(x for x in eligible if nodes.node(x) == node)]
                 k0 = 1
         home_node = nodes.node(base[0])
-        pool = [x for x in avail if x not in base] + release
+        pool = [x for x in eligible if x not in base] + release
         if kind == "team":
             pref = sorted(pool, key=lambda x: (nodes.node(x) != home_node, x))
         else:
@@ -350,6 +359,7 @@ def plan_surplus(
     num_ranks: int,
     policy: str = "idle",
     cost_model: SurplusCostModel | None = None,
+    busy_s: Sequence[float] | None = None,
 ) -> SurplusPlan:
     """Give the wave's surplus ranks work: duplicate homes or NS teams; see the module docstring.
 
@@ -360,6 +370,9 @@ def plan_surplus(
         num_ranks: the domain size ``S``.
         policy: ``"idle"``, ``"duplicate"``, ``"team"`` or ``"auto"``.
         cost_model: machine figures (default :class:`SurplusCostModel`).
+        busy_s: per rank, seconds of NS work still queued when this wave's NS starts (e.g. the previous wave's);
+            a surplus rank is used only for a matrix whose ranks are busy at least as long, and the loads include
+            it. ``None``: all free.
 
     Returns:
         A :class:`SurplusPlan`: per param its kind and ranks (home first), per-rank loads and the wave estimate
@@ -382,6 +395,12 @@ def plan_surplus(
         if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < num_ranks:
             raise ValueError(f"home of param {i} is {h!r}; expected an int in [0, {num_ranks})")
     shp = {i: _check_shape(tuple(shapes[i])) for i in params}
+    if busy_s is None:
+        busy = [0.0] * num_ranks
+    else:
+        busy = [float(x) for x in busy_s]
+        if len(busy) != num_ranks or any(not math.isfinite(x) or x < 0 for x in busy):
+            raise ValueError(f"busy_s must hold {num_ranks} finite times >= 0 (seconds), got {list(busy_s)[:16]}")
     nodes = _Nodes(num_ranks, cm.ranks_per_node)
     used = {homes[i] for i in params}
     surplus = [r for r in range(num_ranks) if r not in used]
@@ -391,8 +410,8 @@ def plan_surplus(
             ranks = {i: [homes[i]] for i in params}
             est = {i: _estimate(shp[i], "single", ranks[i], nodes, cm) for i in params}
         else:
-            ranks, est = _greedy(kind, params, homes, shp, surplus, nodes, cm)
-        load = [0.0] * num_ranks
+            ranks, est = _greedy(kind, params, homes, shp, surplus, nodes, cm, busy)
+        load = list(busy)
         out = {}
         for i in params:
             k = "single" if len(ranks[i]) == 1 else kind

@@ -82,7 +82,8 @@ where it could not be measured, e.g. ``--no-baseline``):
     (``--quick``: 512x2048) at world 2 (gloo, 1 thread per rank), each rank holding its row block, against
     ``zeropower`` of the whole matrix on rank 0 while rank 1 waits, interleaved, each timed between barriers.
     ``single_over_team_world2``: single-rank latency over team latency (> 1: the team is faster; the issue's goal
-    is 1.6). The details give the exactness of the team result against ``zeropower`` (bitwise or not, max abs and
+    is 1.6). The details also time the team's matmuls alone on both ranks at once (no gathers): the compute part,
+    which on a shared 2-core machine shows how much the two ranks slow each other. The details give the exactness of the team result against ``zeropower`` (bitwise or not, max abs and
     relative Frobenius difference). ``sim_70b_{idle,best}_exposed_fraction``: :mod:`scheduler.simulate` on the
     70B preset (TP 8, remat 8, DP 16), exposed optimizer fraction with idle surplus and with the best of
     ``duplicate`` / ``team`` / ``auto`` at ``dp_slots`` 1 and 4 (the issue's goal: <= 0.02).
@@ -1173,8 +1174,10 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
     counts = team_row_counts(x.size(0), world)
     lo = sum(counts[:rank])
     mine = x[lo : lo + counts[rank]].contiguous()
-    t_single, t_team = [], []
+    t_single, t_team, t_local = [], [], []
     single = team = None
+    xb = (x.bfloat16() / x.bfloat16().norm()).contiguous()
+    gram = xb @ xb.mT
     for r in range(warmup + repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -1185,10 +1188,18 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
         team = team_zeropower(mine, group, counts, ns_steps=steps, tall=shape[0] > shape[1], gather_result=True)
         dist.barrier()
         t2 = time.perf_counter()
+        # The team's matmuls alone, every rank at once, no gathers: its compute under this machine's contention.
+        xr = xb[lo : lo + counts[rank]]
+        for _ in range(steps):
+            ar = xr @ xb.mT
+            torch.addmm(xr, torch.addmm(ar, ar, gram, beta=-4.775, alpha=2.0315), xb, beta=3.4445)
+        dist.barrier()
+        t3 = time.perf_counter()
         if r >= warmup:
             t_single.append(t1 - t0)
             t_team.append(t2 - t1)
-    out: dict[str, Any] = {"single_s": t_single, "team_s": t_team}
+            t_local.append(t3 - t2)
+    out: dict[str, Any] = {"single_s": t_single, "team_s": t_team, "team_compute_s": t_local}
     if rank == 0:
         team_full = team.mT if shape[0] > shape[1] else team
         diff = (team_full.float() - single.float()).abs()
@@ -1208,6 +1219,7 @@ def _case_surplus(o: _Options) -> _CaseResult:
     res = _run_ranks(_surplus_rank, world, shape, steps, warmup, repeats, timeout_s=o.timeout_s)
     single = _median(_max_over_ranks([r["single_s"] for r in res]))
     team = _median(_max_over_ranks([r["team_s"] for r in res]))
+    compute = _median(_max_over_ranks([r["team_compute_s"] for r in res]))
     ratio = _ratio(single, team)
     ex = res[0]
     base = SimConfig.for_model("llama3-70b", tp_size=8, remat_size=8, dp_size=16)
@@ -1219,6 +1231,8 @@ def _case_surplus(o: _Options) -> _CaseResult:
     lines = [
         f"team NS of one {shape[0]}x{shape[1]} matrix, world {world} (gloo, 1 thread per rank): single rank "
         f"{_ms(single).strip()}, team {_ms(team).strip()}, single / team = {ratio:.3f}" if ratio else "unavailable",
+        f"team's matmuls alone (both ranks at once, no gathers) {_ms(compute).strip()}: the rest of the team time, "
+        f"{_ms(max(0.0, team - compute)).strip()}, is its {2 * steps + 1} all-gathers and copies",
         f"team vs zeropower: bitwise {ex['bitwise']}, max abs {ex['max_abs_diff']:.3g}, "
         f"relative Frobenius {ex['rel_fro_diff']:.3g}",
         "simulator, llama3-70b TP 8 x remat 8 x DP 16: exposed optimizer time per surplus policy",
@@ -1232,7 +1246,7 @@ def _case_surplus(o: _Options) -> _CaseResult:
          "sim_70b_best_exposed_fraction": best.exposed_fraction_overlap},
         lines,
         {"shape": list(shape), "world": world, "ns_steps": steps, "repeats": repeats, "single_s": single,
-         "team_s": team, "bitwise": ex["bitwise"], "max_abs_diff": ex["max_abs_diff"],
+         "team_s": team, "team_compute_s": compute, "bitwise": ex["bitwise"], "max_abs_diff": ex["max_abs_diff"],
          "rel_fro_diff": ex["rel_fro_diff"], "sim_best": {"surplus": best_key[0], "dp_slots": best_key[1]},
          "sim": {f"{p}_dp{d}": {"last_wave_latency_s": r.last_wave_latency_s,
                                 "exposed_overlap_s": r.exposed_overlap_s,

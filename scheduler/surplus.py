@@ -43,6 +43,23 @@ estimate (a team's fixed gather latencies can make 2 members slower than 1 but 4
 stops (nothing else can shorten the wave). Matrices of equal cost thus share the surplus ranks in turn. Extra ranks are
 taken in a fixed preference order: for a team, same node as the home first; for duplicates, nodes without a home
 of the matrix first; then by rank. Everything is deterministic, so every rank computes the same plan.
+
+[Note: runtime wiring] How the wave pipeline is meant to act on a plan (not wired yet):
+
+1. Per wave, on every rank: ``plan = plan_surplus(wave.params, wave.homes, full_shapes, S, config.surplus,
+   cost_model, busy_s=...)`` (``busy_s``: e.g. the previous wave's per-home NS seconds from
+   :func:`scheduler.cost.ns_flops`; the plan is a pure function, so all ranks agree without communicating, and it
+   can be computed once per step at construction, since shapes and wave order are fixed).
+2. ``kind == "single"``: today's path.
+3. ``kind == "duplicate"``: the to-home exchange sends each rank's shard to every rank of ``a.ranks``; each runs
+   ``overlap_muon.ns.zeropower`` on the same bits and so gets the same bits (bitwise parity holds); on the way
+   back rank ``r`` takes its block from ``serving_homes(a, S, ranks_per_node)[r]`` only.
+4. ``kind == "team"``: member ``j = a.ranks[j]`` receives row block ``j`` (:func:`team_row_counts` of
+   ``min(P, Q)`` over ``len(a.ranks)``) of the ORIENTED matrix (the transpose of a tall update), calls
+   ``overlap_muon.team_ns.team_zeropower(rows, team_group, counts, tall=P > Q)`` and sends the parts of its result
+   rows back to their shard owners. ``team_group`` must exist on every member: ``dist.new_group`` is collective
+   over the whole world, so create one per distinct team at construction (the plans are known then). Not bitwise
+   in general (see ``overlap_muon/team_ns.py``), which the parity tests must say.
 """
 
 from __future__ import annotations
@@ -55,7 +72,7 @@ from .cost import _check_shape, ns_flops
 from .homes import _check_num_ranks
 
 __all__ = ["POLICIES", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
-           "team_row_counts"]
+           "team_row_counts", "serving_homes"]
 
 #: The surplus policies, in the order ``auto`` prefers them on a tie.
 POLICIES: tuple[str, ...] = ("idle", "duplicate", "team", "auto")
@@ -207,6 +224,33 @@ def _dup_served(ranks: Sequence[int], nodes: _Nodes) -> list[list[int]]:
             rr += 1
         served[j].append(r)
     return served
+
+
+def serving_homes(assignment: SurplusAssignment, num_ranks: int, ranks_per_node: int = 8) -> list[int]:
+    """Per domain rank, the rank of ``assignment.ranks`` it receives its block of the NS result from.
+
+    ``single``: the one home for everyone. ``duplicate``: a home serves itself and the ranks of its node, the rest
+    go round robin over the homes in ``assignment.ranks`` order (as the cost model assumes). ``team``: ``-1`` for
+    every rank -- each member sends the rows it computed, so a rank receives from every member.
+
+    Raises:
+        ValueError: ``num_ranks`` or ``ranks_per_node`` < 1, or a rank of the assignment is out of range.
+    """
+    _check_num_ranks(num_ranks)
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
+    if any(not 0 <= r < num_ranks for r in assignment.ranks):
+        raise ValueError(f"assignment ranks {assignment.ranks} outside [0, {num_ranks})")
+    if assignment.kind == "team":
+        return [-1] * num_ranks
+    if assignment.kind == "single":
+        return [assignment.ranks[0]] * num_ranks
+    out = [0] * num_ranks
+    for h, served in zip(assignment.ranks, _dup_served(assignment.ranks, _Nodes(num_ranks, ranks_per_node))):
+        out[h] = h
+        for r in served:
+            out[r] = h
+    return out
 
 
 def _estimate_parts(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes,

@@ -10,6 +10,7 @@ from scheduler.surplus import (
     SurplusCostModel,
     matrix_estimate_s,
     plan_surplus,
+    serving_homes,
     team_row_counts,
 )
 
@@ -162,3 +163,23 @@ def test_bad_input_names_the_problem():
         matrix_estimate_s((4, 4), "pair", [0], 2)
     with pytest.raises(ValueError, match="one home"):
         matrix_estimate_s((4, 4), "single", [0, 1], 2)
+
+
+def test_serving_homes_cover_every_rank():
+    cm = SurplusCostModel(ns_flops_per_s=1e15, ranks_per_node=4, inter_node_bytes_per_s=1e9,
+                          intra_node_bytes_per_s=1e11)
+    plan = plan_surplus([0, 1], {0: 1, 1: 2}, [(1024, 4096), (64, 64)], 12, "duplicate", cm)
+    dup, single = plan.assignments[0], plan.assignments[1]
+    assert dup.kind == "duplicate"
+    served = serving_homes(dup, 12, 4)
+    assert set(served) == set(dup.ranks)  # every home serves someone (itself at least)
+    for h in dup.ranks:
+        assert served[h] == h
+    for r, h in enumerate(served):
+        if any(x // 4 == r // 4 for x in dup.ranks):
+            assert h // 4 == r // 4  # a node with a home is served locally
+    assert serving_homes(single, 12, 4) == [2] * 12
+    team = plan_surplus([0], {0: 0}, [(2048, 8192)], 4, "team", _NS_BOUND).assignments[0]
+    assert serving_homes(team, 4, 4) == [-1] * 4
+    with pytest.raises(ValueError, match="outside"):
+        serving_homes(dup, 2, 4)

@@ -34,6 +34,11 @@ where it could not be measured, e.g. ``--no-baseline``):
     (``5 x`` ``(b,m,n)@(b,n,m)``, ``(b,m,m)@(b,m,m)``, ``(b,m,m)@(b,m,n)``: exactly the FLOPs ``ns_flops``
     counts), the limit on this machine. ``ns_over_bmm`` in (0, 1]; the gap is NS's elementwise work (norm,
     casts, ``baddbmm`` scaling, transposes).
+    ``syrk_over_plain``: one-matrix ``zeropower(syrk=True)`` (symmetric Gram and ``A @ A``, upper block rows +
+    mirror, ``overlap_muon.ns.SYRK_BLOCK``) effective FLOP/s over the plain ``zeropower``'s (both counted as
+    ``ns_flops``, so it is the time ratio plain / syrk), summed over 1024^2, 2048x8192 and 4096^2 (``--quick``:
+    256^2, 256x1024, 512^2), 1 thread; per shape the details also give whether the result is bitwise equal to the
+    plain one, the max abs and relative Frobenius difference, and the FLOPs the symmetric products skip.
 ``comm``
     Bytes and collectives per rank per step, counted by wrapping the ``torch.distributed`` collectives inside
     the ranks, on a 2x2 domain (world 4; even shards, partition dims 0 and 1), for layer-sharded fused
@@ -72,6 +77,16 @@ where it could not be measured, e.g. ``--no-baseline``):
     robin, for every Muon matrix of a step of GPT-2 small, a Llama-3-8B-class and a Llama-3-70B-class model,
     on domains of 8, 16 and 64 ranks. ``{model}_S{S}_lpt_max_over_mean`` and ``..._rr_max_over_mean`` (>= 1;
     1 is perfect balance).
+``surplus``
+    The team NS kernel alone (``overlap_muon.team_ns.team_zeropower``, not the optimizer): a 2048x8192 matrix
+    (``--quick``: 512x2048) at world 2 (gloo, 1 thread per rank), each rank holding its row block, against
+    ``zeropower`` of the whole matrix on rank 0 while rank 1 waits, interleaved, each timed between barriers.
+    ``single_over_team_world2``: single-rank latency over team latency (> 1: the team is faster; the issue's goal
+    is 1.6). The details also time the team's matmuls alone on both ranks at once (no gathers): the compute part,
+    which on a shared 2-core machine shows how much the two ranks slow each other. The details give the exactness of the team result against ``zeropower`` (bitwise or not, max abs and
+    relative Frobenius difference). ``sim_70b_{idle,best}_exposed_fraction``: :mod:`scheduler.simulate` on the
+    70B preset (TP 8, remat 8, DP 16), exposed optimizer fraction with idle surplus and with the best of
+    ``duplicate`` / ``team`` / ``auto`` at ``dp_slots`` 1 and 4 (the issue's goal: <= 0.02).
 """
 
 from __future__ import annotations
@@ -103,13 +118,14 @@ from scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_
 
 from ._spawn import spawn_ranks
 from .domain import block_shape
-from .ns import zeropower
+from .ns import SYRK_BLOCK, zeropower
 from .optimizer import OverlapMuon
+from .team_ns import team_zeropower
 
 __all__ = ["main", "CASES", "expected_ratio_keys", "machine_info"]
 
 #: Case names, in the order a full run executes them.
-CASES: tuple[str, ...] = ("step", "overhead", "ns", "comm", "overlap", "balance")
+CASES: tuple[str, ...] = ("step", "overhead", "ns", "comm", "overlap", "balance", "surplus")
 
 #: Muon hyper-parameters of every case (``torch.optim.Muon``'s defaults except a visible learning rate).
 _HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -170,7 +186,7 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
     if case == "overhead":
         return ("torch_muon_over_overlap_muon", "torch_muon_over_overlap_muon_unbatched")
     if case == "ns":
-        return ("ns_over_bmm",)
+        return ("ns_over_bmm", "syrk_over_plain")
     if case == "comm":
         return ("fused_bytes_over_ideal", "two_stage_bytes_over_ideal", "duplicated_bytes_over_ideal",
                 "fused_default_bytes_over_ideal")
@@ -178,6 +194,8 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
         return tuple(f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_"))
     if case == "balance":
         return tuple(f"{f.name}_S{s}_{b}_max_over_mean" for f in _FAMILIES for s in _DOMAINS for b in ("lpt", "rr"))
+    if case == "surplus":
+        return ("single_over_team_world2", "sim_70b_idle_exposed_fraction", "sim_70b_best_exposed_fraction")
     raise ValueError(f"unknown bench case {case!r}; known: {', '.join(CASES)}")
 
 
@@ -542,13 +560,60 @@ def _case_ns(o: _Options) -> _CaseResult:
     ]
     lines.append(f"all shapes: NS {tot_flops / tot_ns / 1e9:.1f} GFLOP/s over bmm {tot_flops / tot_bmm / 1e9:.1f}"
                  f" GFLOP/s = {ratio:.3f}")
+    syrk_rows, syrk_ratio = _syrk_vs_plain(o, steps)
+    lines.append(f"symmetric Gram (syrk, block {SYRK_BLOCK}) vs plain NS, one matrix, 1 thread:")
+    for r in syrk_rows:
+        lines.append(f"  {r['shape'][0]:>4}x{r['shape'][1]:<4}  plain {r['plain_flops_per_s'] / 1e9:7.1f} GFLOP/s  "
+                     f"syrk {r['syrk_flops_per_s'] / 1e9:7.1f} GFLOP/s  ratio {r['plain_s'] / r['syrk_s']:.3f}  "
+                     f"bitwise {r['bitwise']}  max abs {r['max_abs_diff']:.3g}  rel {r['rel_fro_diff']:.3g}")
+    lines.append(f"all shapes: syrk / plain FLOP/s = {syrk_ratio:.3f}" if syrk_ratio else "syrk ratio unavailable")
     return _CaseResult(
-        "batched Newton-Schulz FLOP/s vs plain torch.bmm (bf16, same matmuls), 1 thread",
-        {"ns_over_bmm": ratio},
+        "batched Newton-Schulz FLOP/s vs plain torch.bmm (bf16, same matmuls), 1 thread; symmetric Gram vs plain NS",
+        {"ns_over_bmm": ratio, "syrk_over_plain": syrk_ratio},
         lines,
         {"ns_steps": steps, "repeats": repeats, "threads": 1, "shapes": rows,
-         "ns_flops_per_s": tot_flops / tot_ns, "bmm_flops_per_s": tot_flops / tot_bmm},
+         "ns_flops_per_s": tot_flops / tot_ns, "bmm_flops_per_s": tot_flops / tot_bmm,
+         "syrk": {"block": SYRK_BLOCK, "shapes": syrk_rows}},
     )
+
+
+def _syrk_flops(shape: tuple[int, int], steps: int, block: int) -> int:
+    """FLOPs ``zeropower(syrk=True)`` executes: block rows of ``X Xᵀ`` and ``A @ A``, the full ``B @ X``."""
+    m, n = min(shape), max(shape)
+    rows = sum(m - i for i in range(0, m, block)) if block < m else m * m  # entries of the upper block rows
+    return steps * (2 * rows * n + 2 * rows * m + 2 * m * m * n)
+
+
+def _syrk_vs_plain(o: _Options, steps: int) -> tuple[list[dict[str, Any]], float | None]:
+    """Time ``zeropower`` with and without ``syrk`` on one matrix per shape, interleaved; compare the results."""
+    shapes = ((256, 256), (256, 1024), (512, 512)) if o.quick else ((1024, 1024), (2048, 8192), (4096, 4096))
+    warmup, repeats = 1, o.reps(2, 3)
+    gen = torch.Generator().manual_seed(13)
+    rows, tot_plain, tot_syrk, tot_flops = [], 0.0, 0.0, 0
+    with _threads(1):
+        for P, Q in shapes:
+            x = torch.randn(P, Q, generator=gen)
+            t_plain, t_syrk = [], []
+            for r in range(warmup + repeats):
+                t0 = time.perf_counter()
+                plain = zeropower(x, ns_steps=steps)
+                t1 = time.perf_counter()
+                sym = zeropower(x, ns_steps=steps, syrk=True)
+                t2 = time.perf_counter()
+                if r >= warmup:
+                    t_plain.append(t1 - t0)
+                    t_syrk.append(t2 - t1)
+            flops = ns_flops((P, Q), steps)
+            mp, ms = _median(t_plain), _median(t_syrk)
+            diff = (sym.float() - plain.float()).abs()
+            rows.append({"shape": [P, Q], "flops": flops, "syrk_flops_executed": _syrk_flops((P, Q), steps, SYRK_BLOCK),
+                         "plain_s": mp, "syrk_s": ms, "plain_flops_per_s": flops / mp, "syrk_flops_per_s": flops / ms,
+                         "bitwise": bool(torch.equal(sym, plain)), "max_abs_diff": float(diff.max()),
+                         "rel_fro_diff": float(diff.norm() / plain.float().norm())})
+            tot_plain += mp
+            tot_syrk += ms
+            tot_flops += flops
+    return rows, _ratio(tot_plain, tot_syrk)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1084,6 +1149,101 @@ def _case_balance(o: _Options) -> _CaseResult:
                        det)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Case: surplus
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, warmup: int,
+                  repeats: int) -> dict[str, Any]:
+    from scheduler.surplus import team_row_counts
+
+    group = dist.group.WORLD
+    X = torch.randn(shape, generator=torch.Generator().manual_seed(17))  # the same matrix on every rank
+    x = X.mT if shape[0] > shape[1] else X
+    counts = team_row_counts(x.size(0), world)
+    lo = sum(counts[:rank])
+    mine = x[lo : lo + counts[rank]].contiguous()
+    t_single, t_team, t_local = [], [], []
+    single = team = None
+    xb = (x.bfloat16() / x.bfloat16().norm()).contiguous()
+    gram = xb @ xb.mT
+    for r in range(warmup + repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            single = zeropower(X, ns_steps=steps)
+        dist.barrier()  # the other ranks wait: the single-rank latency is rank 0's
+        t1 = time.perf_counter()
+        team = team_zeropower(mine, group, counts, ns_steps=steps, tall=shape[0] > shape[1], gather_result=True)
+        dist.barrier()
+        t2 = time.perf_counter()
+        # The team's matmuls alone, every rank at once, no gathers: its compute under this machine's contention.
+        xr = xb[lo : lo + counts[rank]]
+        for _ in range(steps):
+            ar = xr @ xb.mT
+            torch.addmm(xr, torch.addmm(ar, ar, gram, beta=-4.775, alpha=2.0315), xb, beta=3.4445)
+        dist.barrier()
+        t3 = time.perf_counter()
+        if r >= warmup:
+            t_single.append(t1 - t0)
+            t_team.append(t2 - t1)
+            t_local.append(t3 - t2)
+    out: dict[str, Any] = {"single_s": t_single, "team_s": t_team, "team_compute_s": t_local}
+    if rank == 0:
+        team_full = team.mT if shape[0] > shape[1] else team
+        diff = (team_full.float() - single.float()).abs()
+        out.update(bitwise=bool(torch.equal(team_full, single)), max_abs_diff=float(diff.max()),
+                   rel_fro_diff=float(diff.norm() / single.float().norm()))
+    return out
+
+
+def _case_surplus(o: _Options) -> _CaseResult:
+    import dataclasses as _dc
+
+    from scheduler.simulate import SimConfig, simulate
+
+    shape = (512, 2048) if o.quick else (2048, 8192)
+    world, steps = 2, 5
+    warmup, repeats = 1, o.reps(2, 5)
+    res = _run_ranks(_surplus_rank, world, shape, steps, warmup, repeats, timeout_s=o.timeout_s)
+    single = _median(_max_over_ranks([r["single_s"] for r in res]))
+    team = _median(_max_over_ranks([r["team_s"] for r in res]))
+    compute = _median(_max_over_ranks([r["team_compute_s"] for r in res]))
+    ratio = _ratio(single, team)
+    ex = res[0]
+    base = SimConfig.for_model("llama3-70b", tp_size=8, remat_size=8, dp_size=16)
+    sims = {(p, d): simulate(_dc.replace(base, surplus=p, dp_slots=d))
+            for p in ("idle", "duplicate", "team", "auto") for d in (1, 4)}
+    idle = sims[("idle", 1)]
+    best_key = min(sims, key=lambda k: sims[k].exposed_overlap_s)
+    best = sims[best_key]
+    lines = [
+        f"team NS of one {shape[0]}x{shape[1]} matrix, world {world} (gloo, 1 thread per rank): single rank "
+        f"{_ms(single).strip()}, team {_ms(team).strip()}, single / team = {ratio:.3f}" if ratio else "unavailable",
+        f"team's matmuls alone (both ranks at once, no gathers) {_ms(compute).strip()}: the rest of the team time, "
+        f"{_ms(max(0.0, team - compute)).strip()}, is its {2 * steps + 1} all-gathers and copies",
+        f"team vs zeropower: bitwise {ex['bitwise']}, max abs {ex['max_abs_diff']:.3g}, "
+        f"relative Frobenius {ex['rel_fro_diff']:.3g}",
+        "simulator, llama3-70b TP 8 x remat 8 x DP 16: exposed optimizer time per surplus policy",
+    ]
+    for (p, d), r in sims.items():
+        lines.append(f"  {p:>9} dp_slots {d}: last wave {_ms(r.last_wave_latency_s).strip():>10}, exposed "
+                     f"{_ms(r.exposed_overlap_s).strip():>10} = {100 * r.exposed_fraction_overlap:.2f}% of the step")
+    return _CaseResult(
+        "surplus slots: team NS latency vs one rank (the kernel), and the simulator's policies at 70B",
+        {"single_over_team_world2": ratio, "sim_70b_idle_exposed_fraction": idle.exposed_fraction_overlap,
+         "sim_70b_best_exposed_fraction": best.exposed_fraction_overlap},
+        lines,
+        {"shape": list(shape), "world": world, "ns_steps": steps, "repeats": repeats, "single_s": single,
+         "team_s": team, "team_compute_s": compute, "bitwise": ex["bitwise"], "max_abs_diff": ex["max_abs_diff"],
+         "rel_fro_diff": ex["rel_fro_diff"], "sim_best": {"surplus": best_key[0], "dp_slots": best_key[1]},
+         "sim": {f"{p}_dp{d}": {"last_wave_latency_s": r.last_wave_latency_s,
+                                "exposed_overlap_s": r.exposed_overlap_s,
+                                "exposed_fraction_overlap": r.exposed_fraction_overlap} for (p, d), r in sims.items()}},
+    )
+
+
 _RUNNERS: dict[str, Callable[[_Options], _CaseResult]] = {
     "step": _case_step,
     "overhead": _case_overhead,
@@ -1091,6 +1251,7 @@ _RUNNERS: dict[str, Callable[[_Options], _CaseResult]] = {
     "comm": _case_comm,
     "overlap": _case_overlap,
     "balance": _case_balance,
+    "surplus": _case_surplus,
 }
 
 

@@ -267,7 +267,7 @@ class WavePipeline:
             return
         self.testing.record("ns_start", st.wave.index)
         h = st.hyper
-        kw = dict(ns_coefficients=h.ns_coefficients, ns_steps=h.ns_steps, eps=h.eps)
+        kw = dict(ns_coefficients=h.ns_coefficients, ns_steps=h.ns_steps, eps=h.eps, syrk=self.config.syrk)
         with prof_range(wave_range_name(st.wave.index, "ns"), nvtx=self.config.nvtx):
             fn = self._ns_many
             st.outs = self.testing.ns_wrap(fn, st.fulls, kw) if self.testing.ns_wrap else fn(st.fulls, kw)

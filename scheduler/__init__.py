@@ -6,6 +6,7 @@ function of its inputs, so all ranks compute the same one without communicating.
 
 from .cost import ns_bytes, ns_flops
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
+from .surplus import SurplusCostModel, SurplusPlan, plan_surplus
 from .waves import ReadinessRecorder, Wave, WaveDispatcher, plan_waves
 
 __all__ = [
@@ -19,4 +20,7 @@ __all__ = [
     "plan_waves",
     "WaveDispatcher",
     "ReadinessRecorder",
+    "plan_surplus",
+    "SurplusPlan",
+    "SurplusCostModel",
 ]

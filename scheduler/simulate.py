@@ -6,6 +6,7 @@ Usage::
     python -m scheduler.simulate --model llama3-405b --tp 8 --remat 16 --dp 8 --json traces/sim.json
     python -m scheduler.simulate --shapes 4096x4096,11008x4096,4096x11008 --layers 32 --tp 4 --remat 2
     python -m scheduler.simulate --matrices 3000 --slots 1000     # "N matrices on K slots": waves, per-wave load
+    python -m scheduler.simulate --surplus all --dp-slots 4       # every surplus policy, with and without DP slots
 
 Pure Python: no ``torch.distributed``, no streams, no device. The planning is the real one
 (:func:`scheduler.plan_waves` with :func:`scheduler.ns_flops` costs), the timing is modelled.
@@ -70,6 +71,20 @@ one large matrix on some homes and small ones on others the whole domain pays th
 after wave; the sum of these per-window maxima can exceed the per-home total that the non-overlapped step
 pays once (the 70B preset at ``ns_interference = 1`` shows it). Splitting large matrices' NS across homes or
 balancing NS per wave, not only per step, is what would remove it.
+
+[Note: surplus and DP slots in the model] ``surplus`` (``scheduler.surplus``): each wave's plan is given, per
+replica, to :func:`scheduler.surplus.plan_surplus` with that module's cost model built from this config, and with
+the previous wave's per-home NS work as ``busy_s`` (conservative: as if none of it had run yet). A duplicate home
+runs the whole NS; a team member runs ``NS / (k * team_efficiency)`` plus the team's all-gathers (per step ``A``
+and ``X``, intra- or inter-node by where the members are) on its NS lane. The exchanges are then counted flow by
+flow: to-home, every rank sends its shard (a team member: its ``1/k`` row part) to every home of the matrix; back,
+a single home or team member sends to every rank, a duplicate home to the ranks it serves (its node first); a
+direction takes ``latency + max`` over ranks and directions of intra / inter bytes over their bandwidth. Modelled
+for the fused all_to_all only. ``dp_slots = D``: ``D`` DP replicas share the NS work, so a wave (still at most
+``wave_slots``, default ``S``, matrices) spreads by LPT over ``D * S`` homes; each replica exchanges only the
+matrices homed in it, and before the apply every rank all-gathers over its DP group (``D`` ranks, ``S`` apart, so
+usually inter-node) its shard of the results the other replicas computed: ``latency + busiest bytes / link``
+appended to the from-home item. The simulated lanes are then those of ``D`` replicas, in lock-step.
 
 For validation against a measurement, :meth:`SimConfig.from_measured` builds a config from measured per-layer
 forward / backward times, NS rate and link bandwidth (e.g. on a CPU/gloo run), and
@@ -249,6 +264,14 @@ class SimConfig:
     ns_interference: float = 0.0
     """How much NS and the training step slow each other on a GPU, in [0, 1]: both run at ``1/(1+x)`` speed
     while both are busy (0: no contention, 1: throughput shared)."""
+    surplus: str = "idle"
+    """What homes without a matrix in a wave do (``scheduler.surplus``): ``idle``, ``duplicate``, ``team`` or
+    ``auto``; see [Note: surplus and DP slots in the model]."""
+    dp_slots: int = 1
+    """DP replicas whose domains share the NS work (1: every replica runs every NS; ``D``: a wave spreads over
+    ``D * S`` homes and the results are all-gathered over the DP group), ``1 <= dp_slots <= dp_size``."""
+    team_efficiency: float = 1.0
+    """Fraction of the ideal ``k``-fold NS speed-up of a team of ``k``, in (0, 1]."""
 
     def __post_init__(self) -> None:
         shapes = tuple(tuple((int(p), int(q)) for p, q in layer) for layer in self.layer_shapes)
@@ -288,11 +311,29 @@ class SimConfig:
         _pos_float("ns_interference", self.ns_interference, allow_zero=True)
         if self.ns_interference > 1:
             raise ValueError(f"SimConfig.ns_interference must be in [0, 1], got {self.ns_interference!r}")
+        from .surplus import POLICIES
+
+        if self.surplus not in POLICIES:
+            raise ValueError(f"SimConfig.surplus must be one of {POLICIES}, got {self.surplus!r}")
+        _pos_int("dp_slots", self.dp_slots)
+        if self.dp_slots > self.dp_size:
+            raise ValueError(f"SimConfig.dp_slots={self.dp_slots} exceeds dp_size={self.dp_size}")
+        _pos_float("team_efficiency", self.team_efficiency)
+        if self.team_efficiency > 1:
+            raise ValueError(f"SimConfig.team_efficiency must be in (0, 1], got {self.team_efficiency!r}")
+        if self.surplus != "idle" and not self.fused_a2a:
+            raise ValueError("SimConfig.surplus other than 'idle' is modelled for the fused all_to_all only "
+                             "(fused_a2a=True)")
 
     @property
     def domain_size(self) -> int:
         """``S = remat_size * tp_size``, the number of NS homes."""
         return self.remat_size * self.tp_size
+
+    @property
+    def ns_slots(self) -> int:
+        """``S * dp_slots``: the homes a wave can spread over."""
+        return self.domain_size * self.dp_slots
 
     @property
     def num_gpus(self) -> int:
@@ -510,6 +551,12 @@ class SimResult:
         """``step_no_overlap_s / step_overlap_s``."""
         return self.step_no_overlap_s / self.step_overlap_s if self.step_overlap_s > 0 else 1.0
 
+    @property
+    def last_wave_latency_s(self) -> float:
+        """Overlapped run: the last wave's launch to its update applied (to-home, NS, back), seconds."""
+        w = self.waves[-1] if self.waves else None
+        return w.applied_at_s - w.launch_at_s if w is not None else 0.0
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WaveQuestion:
@@ -537,6 +584,14 @@ class WaveQuestion:
     """Mean per-home NS time over the step, seconds."""
     load_max_over_mean: float
     """Balance over the step (1 is perfect)."""
+    surplus: str = "idle"
+    """Surplus policy of :attr:`last_wave_s` (``auto`` as given; the plan says what it chose)."""
+    last_wave_policy: str = "idle"
+    """The policy the last wave's plan follows (``auto`` resolved)."""
+    last_wave_s: float = 0.0
+    """Cost-model latency of the last wave (``scheduler.surplus`` [Note: surplus cost model]): the longest
+    to-home + NS + back of its matrices, seconds. Homes still running the previous wave's NS are not used as
+    surplus (``busy_s``: the previous wave's per-home NS)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -615,7 +670,8 @@ class _RunOut:
 
 def _run(cfg: SimConfig, plans: list[_WavePlan], overlap: bool) -> _RunOut:
     """Simulate the last backward and the next forward; see [Note: what the model assumes], items 7-9."""
-    L, S, K = len(cfg.layer_shapes), cfg.domain_size, len(plans)
+    # One main lane and one NS lane per GPU of the ``dp_slots`` replicas that share the NS work (all lock-step).
+    L, S, K = len(cfg.layer_shapes), cfg.ns_slots, len(plans)
     tasks = [("backward", l, cfg.layer_backward_s[l]) for l in reversed(range(L))]
     tasks += [("forward", l, cfg.layer_forward_s[l]) for l in range(L)]
     waves_of_layer: list[set[int]] = [set() for _ in range(L)]
@@ -730,24 +786,122 @@ def _run(cfg: SimConfig, plans: list[_WavePlan], overlap: bool) -> _RunOut:
     return out
 
 
-def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan]]:
+def _surplus_cost_model(cfg: SimConfig) -> Any:
+    from .surplus import SurplusCostModel
+
+    return SurplusCostModel(ns_flops_per_s=cfg.ns_flops_per_s, ns_steps=cfg.ns_steps,
+                            intra_node_bytes_per_s=cfg.intra_node_bytes_per_s,
+                            inter_node_bytes_per_s=cfg.inter_node_bytes_per_s, ranks_per_node=cfg.gpus_per_node,
+                            latency_s=cfg.collective_latency_s, team_efficiency=cfg.team_efficiency,
+                            dtype_bytes=_WIRE_BYTES)
+
+
+def _flows_s(cfg: SimConfig, assignments: Sequence[Any], shapes: Sequence[tuple[int, int]]) -> tuple[float, float, float]:
+    """Both exchanges of one replica's wave under a surplus plan: ``(to_home_s, from_home_s, bytes sent per rank)``.
+
+    Every flow of [Note: surplus and DP slots in the model] is added to its sender's and receiver's intra- or
+    inter-node bytes; a direction takes ``latency + max`` over ranks and directions of ``bytes / bandwidth``.
+    """
+    from .surplus import _dup_served, _Nodes
+
+    S = cfg.domain_size
+    nodes = _Nodes(S, cfg.gpus_per_node)
+    node = [nodes.node(r) for r in range(S)]
+
+    def new() -> list[list[float]]:
+        return [[0.0] * S for _ in range(4)]  # send intra, send inter, recv intra, recv inter
+
+    to, back = new(), new()
+
+    def flow(acc: list[list[float]], src: int, dst: int, b: float) -> None:
+        same = node[src] == node[dst]
+        acc[0 if same else 1][src] += b
+        acc[2 if same else 3][dst] += b
+
+    sent = 0.0
+    for a, shape in zip(assignments, shapes):
+        shard = shape[0] * shape[1] * _WIRE_BYTES / S
+        k = len(a.ranks)
+        part = shard / k if a.kind == "team" else shard
+        for h in a.ranks:
+            for r in range(S):
+                if r != h:
+                    flow(to, r, h, part)
+                    sent += part
+        if a.kind == "duplicate":
+            for h, served in zip(a.ranks, _dup_served(a.ranks, nodes)):
+                for r in served:
+                    flow(back, h, r, shard)
+        else:
+            for h in a.ranks:
+                for r in range(S):
+                    if r != h:
+                        flow(back, h, r, part)
+
+    def t(acc: list[list[float]]) -> float:
+        worst = 0.0
+        for r in range(S):
+            worst = max(worst, acc[0][r] / cfg.intra_node_bytes_per_s, acc[1][r] / cfg.inter_node_bytes_per_s,
+                        acc[2][r] / cfg.intra_node_bytes_per_s, acc[3][r] / cfg.inter_node_bytes_per_s)
+        return cfg.collective_latency_s + worst if worst > 0 else 0.0
+
+    return t(to), t(back), sent / S
+
+
+def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan], float]:
+    """Waves, per-matrix NS seconds, per-wave lane items, and the bf16 bytes a rank sends to homes per step."""
     from .cost import ns_flops
+    from .surplus import _estimate_parts, _Nodes, plan_surplus
     from .waves import plan_waves
 
     shapes = [s for layer in cfg.layer_shapes for s in layer]
     layer_of = [l for l, layer in enumerate(cfg.layer_shapes) for _ in layer]
-    S = cfg.domain_size
+    S, D = cfg.domain_size, cfg.dp_slots
+    H = S * D
     ns_s = [ns_flops(s, cfg.ns_steps) / cfg.ns_flops_per_s for s in shapes]
     # Backward makes gradients last-layer-first; inside a layer, reverse registration order.
     order = list(range(len(shapes) - 1, -1, -1))
-    waves = plan_waves(order, ns_s, S, wave_slots=cfg.wave_slots, balance=cfg.balance, taper=cfg.taper)
+    # DP slots add homes, not wave size: a wave still holds at most S matrices by default.
+    waves = plan_waves(order, ns_s, H, wave_slots=cfg.wave_slots or S, balance=cfg.balance, taper=cfg.taper)
+    cm = _surplus_cost_model(cfg)
+    prev_work = [0.0] * H
+    nodes = _Nodes(S, cfg.gpus_per_node)
     plans = []
+    sent_total = 0.0
     for w in waves:
-        work = [0.0] * S
-        for i in w.params:
-            work[w.homes[i]] += ns_s[i]
+        work = [0.0] * H
+        ex_to = ex_back = 0.0
+        own = [0.0] * D  # per replica: shard bytes of the matrices it orthogonalizes
+        for d in range(D):
+            params = [i for i in w.params if w.homes[i] // S == d]
+            homes = {i: w.homes[i] % S for i in params}
+            shard_bytes = [shapes[i][0] * shapes[i][1] * _WIRE_BYTES / S for i in params]
+            own[d] = sum(shard_bytes)
+            if cfg.surplus == "idle" or not params:
+                for i in params:
+                    work[d * S + homes[i]] += ns_s[i]
+                if params:
+                    ex = _exchange_s(cfg, shard_bytes, [homes[i] for i in params])
+                    ex_to, ex_back = max(ex_to, ex), max(ex_back, ex)
+                sent_total += sum(b * (1 - 1 / S) for b in shard_bytes) / D
+                continue
+            # The previous wave's NS may still run on this wave's surplus ranks: plan around it.
+            plan = plan_surplus(params, homes, shapes, S, cfg.surplus, cm, busy_s=prev_work[d * S : (d + 1) * S])
+            assignments = [plan.assignments[i] for i in params]
+            for i, a in zip(params, assignments):
+                for h, (_, lane, _) in zip(a.ranks, _estimate_parts(shapes[i], a.kind, a.ranks, nodes, cm)):
+                    work[d * S + h] += lane
+            t_to, t_back, sent = _flows_s(cfg, assignments, [shapes[i] for i in params])
+            ex_to, ex_back = max(ex_to, t_to), max(ex_back, t_back)
+            sent_total += sent / D
+        prev_work = work
+        dp_gather = 0.0
+        if D > 1:
+            # Each rank fetches its shard of the results the other replicas computed, and sends its own to them.
+            total = sum(own)
+            busiest = max(max(total - o for o in own), max((D - 1) * o for o in own))
+            dp_gather = _a2a_s(cfg, busiest, D, S)
         shard_elems = [shapes[i][0] * shapes[i][1] / S for i in w.params]
-        ex = _exchange_s(cfg, [e * _WIRE_BYTES for e in shard_elems], [w.homes[i] for i in w.params])
         check = _a2a_s(cfg, float(len(w.params) * (S - 1)), S, 1) if cfg.grad_presence_check else 0.0
         elems = sum(shard_elems)
         pack = apply = 0.0
@@ -759,14 +913,14 @@ def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan]]:
             _WavePlan(
                 params=w.params,
                 ns_work=tuple(work),
-                to_home_s=check + pack + ex,
-                from_home_s=ex + apply,
+                to_home_s=check + pack + ex_to,
+                from_home_s=ex_back + dp_gather + apply,
                 launch_layer=min(layers),
                 first_layer=min(layers),
                 last_layer=max(layers),
             )
         )
-    return waves, ns_s, plans
+    return waves, ns_s, plans, sent_total
 
 
 def simulate(config: SimConfig) -> SimResult:
@@ -785,16 +939,13 @@ def simulate(config: SimConfig) -> SimResult:
     """
     if not isinstance(config, SimConfig):
         raise TypeError(f"simulate() takes a SimConfig, got {type(config).__name__}")
-    from .homes import load_report
-
     cfg = config
-    S = cfg.domain_size
-    waves, ns_s, plans = _plan(cfg)
-    homes_all = [0] * len(ns_s)
-    for w in waves:
-        for i, h in w.homes.items():
-            homes_all[i] = h
-    load = load_report(ns_s, homes_all, S)
+    S, H = cfg.domain_size, cfg.ns_slots
+    waves, ns_s, plans, sent = _plan(cfg)
+    # Per-home NS seconds over the step, from the lane work (with surplus policies a matrix's NS may be spread
+    # over several homes, or run on several).
+    per_home = [sum(p.ns_work[h] for p in plans) for h in range(H)]
+    load_max, load_mean = max(per_home), sum(per_home) / H
 
     fwd, bwd = sum(cfg.layer_forward_s), sum(cfg.layer_backward_s)
     compute = cfg.grad_accum * (fwd + bwd)
@@ -806,10 +957,6 @@ def simulate(config: SimConfig) -> SimResult:
     step_ovl, step_no = compute + exposed_ovl, compute + exposed_no
 
     shapes = [s for layer in cfg.layer_shapes for s in layer]
-    sent = 0.0
-    for w in waves:
-        for i in w.params:
-            sent += (shapes[i][0] * shapes[i][1] / S) * _WIRE_BYTES * (1 - 1 / S)
     exchange = 0.0
     elem_bw = cfg.elementwise_bytes_per_s
     for p in plans:
@@ -825,7 +972,7 @@ def simulate(config: SimConfig) -> SimResult:
             first_layer=p.first_layer,
             last_layer=p.last_layer,
             ns_max_s=max(p.ns_work),
-            ns_mean_s=sum(p.ns_work) / S,
+            ns_mean_s=sum(p.ns_work) / H,
             to_home_s=p.to_home_s,
             from_home_s=p.from_home_s,
             launch_at_s=ovl.launch[k],
@@ -848,9 +995,9 @@ def simulate(config: SimConfig) -> SimResult:
         backward_s=bwd,
         compute_s=compute,
         ns_flops_per_step=sum(ns_s) * cfg.ns_flops_per_s,
-        ns_load_max_s=load.max,
-        ns_load_mean_s=load.mean,
-        ns_load_max_over_mean=load.max_over_mean,
+        ns_load_max_s=load_max,
+        ns_load_mean_s=load_mean,
+        ns_load_max_over_mean=load_max / load_mean if load_mean > 0 else 1.0,
         exchange_bytes_per_rank=sent,
         exchange_s=exchange,
         exposed_no_overlap_s=exposed_no,
@@ -875,6 +1022,8 @@ def plan_question(
     balance: str = "lpt",
     ns_steps: int = 5,
     ns_flops_per_s: float = 700e12,
+    surplus: str = "idle",
+    cost_model: Any = None,
 ) -> WaveQuestion:
     """Answer "``num_matrices`` matrices on ``slots`` slots": waves and per-wave NS load per home.
 
@@ -887,9 +1036,12 @@ def plan_question(
         balance: ``"lpt"`` or ``"round_robin"``.
         ns_steps: Newton-Schulz iterations.
         ns_flops_per_s: NS rate per home, FLOP/s.
+        surplus: policy for the last wave's idle homes (``scheduler.surplus.POLICIES``).
+        cost_model: a :class:`scheduler.surplus.SurplusCostModel` for :attr:`WaveQuestion.last_wave_s`; default:
+            its defaults with ``ns_flops_per_s`` and ``ns_steps`` from here.
 
     Raises:
-        ValueError: N, K or ``num_ranks`` < 1, or an invalid shape.
+        ValueError: N, K or ``num_ranks`` < 1, an invalid shape, or an unknown policy.
     """
     from .cost import ns_flops
     from .homes import load_report
@@ -921,6 +1073,17 @@ def plan_question(
         wmax.append(max(per))
         wmean.append(sum(per) / num_ranks)
     load = load_report(ns_s, homes, num_ranks)
+    from .surplus import SurplusCostModel, plan_surplus
+
+    cm = cost_model or SurplusCostModel(ns_flops_per_s=ns_flops_per_s, ns_steps=ns_steps)
+    all_shapes = [tuple(shapes[i % len(shapes)]) for i in range(num_matrices)]
+    busy = [0.0] * num_ranks
+    if len(waves) > 1:
+        for i in waves[-2].params:
+            busy[waves[-2].homes[i]] += ns_s[i]
+    last = waves[-1]
+    plan = plan_surplus(last.params, last.homes, all_shapes, num_ranks, surplus, cm, busy_s=busy)
+    last_s = max(a.estimate_s for a in plan.assignments.values())
     return WaveQuestion(
         num_matrices=num_matrices,
         slots=slots,
@@ -933,6 +1096,9 @@ def plan_question(
         load_max_s=load.max,
         load_mean_s=load.mean,
         load_max_over_mean=load.max_over_mean,
+        surplus=surplus,
+        last_wave_policy=plan.policy,
+        last_wave_s=last_s,
     )
 
 
@@ -971,7 +1137,8 @@ def _format_result(cfg: SimConfig, r: SimResult, max_wave_rows: int = 12) -> str
         f"assumed: NS {cfg.ns_flops_per_s:.3g} FLOP/s/GPU, links intra {cfg.intra_node_bytes_per_s:.3g} / inter "
         f"{cfg.inter_node_bytes_per_s:.3g} B/s/GPU ({cfg.gpus_per_node} GPUs/node), latency "
         f"{cfg.collective_latency_s * 1e6:.0f} us, elementwise {cfg.elementwise_bytes_per_s or 0:.3g} B/s, "
-        f"{'fused' if cfg.fused_a2a else 'two-stage'} all_to_all, ns_interference {cfg.ns_interference:g}",
+        f"{'fused' if cfg.fused_a2a else 'two-stage'} all_to_all, ns_interference {cfg.ns_interference:g}, "
+        f"surplus {cfg.surplus}, dp_slots {cfg.dp_slots}",
         f"waves: {r.num_waves} (sizes {list(r.wave_sizes)}), {r.collectives_per_step} all_to_all per step; "
         f"wave_slots {cfg.wave_slots or r.domain_size}, balance {cfg.balance}, taper {cfg.taper}",
         f"NS per home per step: max {_ms(r.ns_load_max_s).strip()}, mean {_ms(r.ns_load_mean_s).strip()}, "
@@ -1018,8 +1185,23 @@ def _format_question(qs: list[WaveQuestion]) -> str:
             f"{[round(1e3 * x, 2) for x in q.wave_ns_max_s]} ms, "
             f"mean {[round(1e3 * x, 2) for x in q.wave_ns_mean_s]} ms; "
             f"step load max {1e3 * q.load_max_s:.2f} ms, mean {1e3 * q.load_mean_s:.2f} ms, "
-            f"max/mean {q.load_max_over_mean:.3f}"
+            f"max/mean {q.load_max_over_mean:.3f}; last wave {1e3 * q.last_wave_s:.2f} ms with surplus "
+            f"{q.surplus}" + (f" (chose {q.last_wave_policy})" if q.surplus == "auto" else "")
         )
+    return "\n".join(lines)
+
+
+def _format_policies(rows: list[tuple[str, int, SimResult]]) -> str:
+    lines = [
+        "",
+        "surplus policies (scheduler.surplus; last wave = its launch to its update applied, overlapped run):",
+        f"{'policy':>10}{'dp_slots':>10}{'last wave':>14}{'exposed':>14}{'exposed %':>11}{'no overlap':>14}"
+        f"{'step':>14}",
+    ]
+    for pol, d, r in rows:
+        lines.append(f"{pol:>10}{d:>10}{_ms(r.last_wave_latency_s):>14}{_ms(r.exposed_overlap_s):>14}"
+                     f"{100 * r.exposed_fraction_overlap:>10.2f}%{_ms(r.exposed_no_overlap_s):>14}"
+                     f"{_ms(r.step_overlap_s):>14}")
     return "\n".join(lines)
 
 
@@ -1051,6 +1233,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-taper", action="store_true", help="plain waves (no shrinking of the last two)")
     ap.add_argument("--two-stage", action="store_true", help="two-stage all_to_all (remat group, then TP group)")
     ap.add_argument("--ns-interference", type=float, default=0.0, help="NS/model contention, 0..1 (%(default)g)")
+    ap.add_argument("--surplus", default="idle", choices=("idle", "duplicate", "team", "auto", "all"),
+                    help="what a wave's idle homes do (scheduler.surplus); 'all' compares every policy (%(default)s)")
+    ap.add_argument("--dp-slots", type=int, default=1,
+                    help="DP replicas sharing the NS work, 1..dp; with --surplus all also compared to 1 (%(default)s)")
+    ap.add_argument("--team-efficiency", type=float, default=1.0, help="team NS speed-up / k, (0, 1] (%(default)g)")
     ap.add_argument("--matrices", type=int, help="answer 'N matrices on K slots' (with --slots) instead of simulating")
     ap.add_argument("--slots", type=int, help="K for --matrices")
     ap.add_argument("--shape", help="with --matrices: one PxQ for every matrix (default: the model's layer, cycled)")
@@ -1068,10 +1255,17 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 shapes = [s for _, s in MODEL_PRESETS[args.model].layer_matrices()]
             ns_rate = args.ns_flops or args.matmul_flops
+            from .surplus import SurplusCostModel
+
+            cm = SurplusCostModel(ns_flops_per_s=ns_rate, intra_node_bytes_per_s=args.intra_bw,
+                                  inter_node_bytes_per_s=args.inter_bw, ranks_per_node=args.gpus_per_node,
+                                  latency_s=args.latency, team_efficiency=args.team_efficiency)
+            policies = ("idle", "duplicate", "team", "auto") if args.surplus == "all" else (args.surplus,)
             qs = [
                 plan_question(args.matrices, args.slots, shapes=shapes, taper=taper, balance=args.balance,
-                              ns_flops_per_s=ns_rate)
+                              ns_flops_per_s=ns_rate, surplus=pol, cost_model=cm)
                 for taper in (False, True)
+                for pol in policies
             ]
             print(_format_question(qs))
             if args.json:
@@ -1090,6 +1284,9 @@ def main(argv: list[str] | None = None) -> int:
             taper=not args.no_taper,
             fused_a2a=not args.two_stage,
             ns_interference=args.ns_interference,
+            surplus="idle" if args.surplus == "all" else args.surplus,
+            dp_slots=args.dp_slots,
+            team_efficiency=args.team_efficiency,
         )
         if args.shapes:
             layer_shapes = _parse_shapes(args.shapes, args.layers)
@@ -1108,8 +1305,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = simulate(cfg)
     print(_format_result(cfg, result))
+    doc: dict[str, Any] = {"config": dataclasses.asdict(cfg), "result": dataclasses.asdict(result)}
+    if args.surplus == "all":
+        rows = []
+        for d in sorted({1, cfg.dp_slots}):
+            for pol in ("idle", "duplicate", "team", "auto"):
+                r = simulate(dataclasses.replace(cfg, surplus=pol, dp_slots=d))
+                rows.append((pol, d, r))
+        print(_format_policies(rows))
+        doc["policies"] = [{"surplus": pol, "dp_slots": d, "last_wave_latency_s": r.last_wave_latency_s,
+                            "exposed_overlap_s": r.exposed_overlap_s,
+                            "exposed_fraction_overlap": r.exposed_fraction_overlap,
+                            "exposed_no_overlap_s": r.exposed_no_overlap_s, "step_overlap_s": r.step_overlap_s}
+                           for pol, d, r in rows]
     if args.json:
-        _write_json(args.json, {"config": dataclasses.asdict(cfg), "result": dataclasses.asdict(result)})
+        _write_json(args.json, doc)
     return 0
 
 

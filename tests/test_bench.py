@@ -1,7 +1,7 @@
 """The benchmark suite runs from a clean checkout and reports what it promises; no speed is asserted.
 
-One quick run of a subset of cases (``step``, ``ns``, ``comm``, ``balance``) is shared by the tests below; the
-``comm`` figures are exact byte counts, so they are compared exactly.
+One quick run of a subset of cases (``step``, ``ns``, ``comm``, ``balance``, ``surplus``) is shared by the tests
+below; the ``comm`` figures are exact byte counts, so they are compared exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from overlap_muon import bench
 
-_SUBSET = ("step", "ns", "comm", "balance")
+_SUBSET = ("step", "ns", "comm", "balance", "surplus")
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +114,18 @@ def test_module_entry_point_runs(tmp_path):
     report = json.loads(path.read_text())
     assert set(bench.expected_ratio_keys("balance")) <= set(report["cases"]["balance"]["ratios"])
     assert report["machine"]["cpu_model"] in proc.stdout  # the table header names the machine
+
+
+@pytest.mark.timeout(120)
+def test_ns_and_surplus_report_exactness_with_their_speed(quick_report):
+    """The symmetric-Gram and team NS paths are not claimed bitwise: each shape reports whether it was, with the
+    size of the difference (a bitwise shape has difference 0)."""
+    syrk = quick_report["cases"]["ns"]["details"]["syrk"]["shapes"]
+    assert len(syrk) == 3
+    for row in syrk:
+        assert isinstance(row["bitwise"], bool)
+        assert (row["max_abs_diff"] == 0.0) == row["bitwise"]
+        assert row["syrk_flops_executed"] <= row["flops"]
+    det = quick_report["cases"]["surplus"]["details"]
+    assert det["world"] == 2 and (det["max_abs_diff"] == 0.0) == det["bitwise"]
+    assert set(det["sim"]) == {f"{p}_dp{d}" for p in ("idle", "duplicate", "team", "auto") for d in (1, 4)}

@@ -1,0 +1,475 @@
+"""Surplus slots: what the NS homes that a wave leaves without a matrix can do (pure planning).
+
+A wave of ``W`` matrices on a domain of ``S`` homes leaves ``S - W`` homes idle when ``W < S`` -- always the case
+for the tapered last waves, whose exchange + NS + exchange is the optimizer time that cannot hide (DESIGN.md
+"[Note: the critical path]"). :func:`plan_surplus` gives those ranks work under one of four policies:
+
+``idle``
+    Today's plan: one home per matrix (the wave's LPT home), the surplus ranks do nothing.
+``duplicate``
+    A matrix gets ``k`` homes, each of which receives the whole matrix and runs the same NS (so each produces the
+    same bits), and each shard owner takes its result from the nearest of them (same node first). NS time is
+    unchanged; the way back fans out from ``k`` ranks instead of one, and duplicates on other nodes turn the
+    inter-node part of the return into intra-node traffic.
+``team``
+    ``k`` ranks split one matrix's NS by rows (``overlap_muon.ns.team_zeropower``): each holds a row block of
+    ``X`` (after the tall transpose) and per NS step all-gathers the Gram ``A`` and (but the last step) ``X``.
+    NS compute is ``1/k``; the gathers cost bandwidth and ``2 * ns_steps`` latencies.
+``auto``
+    Plans ``idle``, ``duplicate`` and ``team`` and keeps the one with the smallest estimated wave time (ties go to
+    the simpler policy, in that order).
+
+[Note: surplus cost model] Per matrix of full shape ``(P, Q)``, ``m = min(P, Q)``, ``n = max(P, Q)``, wire bytes
+``M = P*Q*dtype_bytes``, even shards ``s = M / S`` (``S = num_ranks``):
+
+- NS: ``scheduler.cost.ns_flops(shape, ns_steps) / ns_flops_per_s``; a team of ``k``: that ``/ (k *
+  team_efficiency)`` plus the gathers: ``ns_steps`` all-gathers of ``A`` (``m*m*dtype_bytes``) and ``ns_steps``
+  of ``X`` (``m*n*dtype_bytes``; the first assembles the normalized input, the last step needs none), each member
+  receiving ``(k-1)/k`` of the tensor, plus one latency each.
+- To the homes: a home receives ``(S-1) * s`` (a team member ``(S-1) * s / k``, its row block of every shard).
+- Back: a single home sends ``(S-1) * s``; a team member ``(S-1) * s / k``; a duplicate home sends ``s`` to each
+  rank it serves (ranks on a node with a duplicate are served there, the rest round robin over the homes).
+- A transfer of ``b_intra`` bytes to or from peers on the rank's node and ``b_inter`` to others takes
+  ``latency_s + max(b_intra / intra_node_bytes_per_s, b_inter / inter_node_bytes_per_s)`` (the two links run
+  concurrently; the model of ``scheduler.simulate`` [Note: what the model assumes], item 4). Ranks are numbered
+  as in the domain, ``ranks_per_node`` consecutive ranks per node.
+- A matrix's estimate is ``to + NS + back`` on its busiest member; a rank's load is the sum of the estimates of
+  the matrices it holds; the wave's time is the largest load. Exchanges are really one collective per wave, so
+  this per-matrix sum is an estimate for choosing, not a prediction (``scheduler.simulate`` models the wave).
+
+What the planner does: the idle plan first; then, while surplus ranks are left, the longest matrix on the most
+loaded rank (ties: lowest rank, then lowest param index) gets the fewest extra ranks ``j >= 1`` that shorten its
+estimate (a team's fixed gather latencies can make 2 members slower than 1 but 4 faster); if none do, planning
+stops (nothing else can shorten the wave). Matrices of equal cost thus share the surplus ranks in turn. Extra ranks are
+taken in a fixed preference order: for a team, same node as the home first; for duplicates, nodes without a home
+of the matrix first; then by rank. Everything is deterministic, so every rank computes the same plan.
+
+[Note: runtime wiring] How the wave pipeline is meant to act on a plan (not wired yet):
+
+1. Per wave, on every rank: ``plan = plan_surplus(wave.params, wave.homes, full_shapes, S, config.surplus,
+   cost_model, busy_s=...)`` (``busy_s``: e.g. the previous wave's per-home NS seconds from
+   :func:`scheduler.cost.ns_flops`; the plan is a pure function, so all ranks agree without communicating, and it
+   can be computed once per step at construction, since shapes and wave order are fixed).
+2. ``kind == "single"``: today's path.
+3. ``kind == "duplicate"``: the to-home exchange sends each rank's shard to every rank of ``a.ranks``; each runs
+   ``overlap_muon.ns.zeropower`` on the same bits and so gets the same bits (bitwise parity holds); on the way
+   back rank ``r`` takes its block from ``serving_homes(a, S, ranks_per_node)[r]`` only.
+4. ``kind == "team"``: member ``j = a.ranks[j]`` receives row block ``j`` (:func:`team_row_counts` of
+   ``min(P, Q)`` over ``len(a.ranks)``) of the ORIENTED matrix (the transpose of a tall update), calls
+   ``overlap_muon.team_ns.team_zeropower(rows, team_group, counts, tall=P > Q)`` and sends the parts of its result
+   rows back to their shard owners. ``team_group`` must exist on every member: ``dist.new_group`` is collective
+   over the whole world, so create one per distinct team at construction (the plans are known then). Not bitwise
+   in general (see ``overlap_muon/team_ns.py``), which the parity tests must say.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .cost import _check_shape, ns_flops
+from .homes import _check_num_ranks
+
+__all__ = ["POLICIES", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
+           "team_row_counts", "serving_homes"]
+
+#: The surplus policies, in the order ``auto`` prefers them on a tie.
+POLICIES: tuple[str, ...] = ("idle", "duplicate", "team", "auto")
+
+#: An estimate must improve by more than this (relative) to take more ranks: no churn on float noise.
+_REL_EPS = 1e-12
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SurplusCostModel:
+    """Machine figures of the surplus cost model; see [Note: surplus cost model]. Defaults: an H200-class node.
+
+    Raises:
+        ValueError: a rate, size or latency is out of range (the message names the field).
+    """
+
+    ns_flops_per_s: float = 700e12
+    """NS matmul rate of one rank, FLOP/s."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations (``torch.optim.Muon`` default)."""
+    intra_node_bytes_per_s: float = 400e9
+    """Bandwidth to peers on the same node, per rank per direction, B/s (NVLink)."""
+    inter_node_bytes_per_s: float = 50e9
+    """Bandwidth to other nodes, per rank per direction, B/s (one 400 Gb/s NIC per GPU)."""
+    ranks_per_node: int = 8
+    """Consecutive domain ranks sharing a node."""
+    latency_s: float = 20e-6
+    """Fixed cost of one collective, seconds."""
+    team_efficiency: float = 1.0
+    """Fraction of the ideal ``k``-fold NS compute speed-up a team of ``k`` reaches, in (0, 1]."""
+    max_team: int | None = None
+    """Largest team / number of duplicate homes of one matrix; ``None``: no cap."""
+    dtype_bytes: int = 2
+    """Bytes per element on the wire and in the gathers (bf16)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ns_flops_per_s", "intra_node_bytes_per_s", "inter_node_bytes_per_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"SurplusCostModel.{name} must be a finite number > 0, got {v!r}")
+        v = self.latency_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"SurplusCostModel.latency_s must be a finite number >= 0, got {v!r}")
+        v = self.team_efficiency
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise ValueError(f"SurplusCostModel.team_efficiency must be in (0, 1], got {v!r}")
+        for name in ("ns_steps",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"SurplusCostModel.{name} must be an int >= 0, got {v!r}")
+        for name in ("ranks_per_node", "dtype_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"SurplusCostModel.{name} must be an int >= 1, got {v!r}")
+        if self.max_team is not None and (
+            isinstance(self.max_team, bool) or not isinstance(self.max_team, int) or self.max_team < 1
+        ):
+            raise ValueError(f"SurplusCostModel.max_team must be an int >= 1 or None, got {self.max_team!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SurplusAssignment:
+    """Where one matrix's NS runs."""
+
+    kind: str
+    """``"single"`` (one home), ``"duplicate"`` (every rank runs the whole NS) or ``"team"`` (split by rows)."""
+    ranks: tuple[int, ...]
+    """Domain ranks, the wave's home first (a relocated team: its first member instead); for a team, in row-block
+    order (member ``j`` holds row block ``j`` of :func:`team_row_counts`)."""
+    estimate_s: float
+    """The cost model's to-home + NS + back for this matrix, seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class SurplusPlan:
+    """:func:`plan_surplus`'s answer for one wave."""
+
+    policy: str
+    """The policy the plan follows (``auto`` resolved to ``idle``, ``duplicate`` or ``team``)."""
+    assignments: Mapping[int, SurplusAssignment]
+    """Param index -> its assignment; keys are exactly the wave's params."""
+    rank_load_s: tuple[float, ...]
+    """Per domain rank, its ``busy_s`` plus the summed estimates of the matrices it holds, seconds."""
+    wave_s: float
+    """``max(rank_load_s)``: the estimated time of the wave, seconds."""
+    surplus_ranks: tuple[int, ...]
+    """Ranks the wave's homes left free (before this plan used any)."""
+
+
+def team_row_counts(m: int, k: int) -> list[int]:
+    """Rows of each of ``k`` team members for an ``(m, n)`` (oriented, ``m <= n``) matrix: ``torch.chunk`` sizes.
+
+    ``torch.chunk`` gives ``ceil(m / k)`` rows to each leading member and the rest to the last ones, some possibly
+    empty (the DESIGN.md domain uses the same rule). E.g. ``m=10, k=4``: ``[3, 3, 3, 1]``; ``m=2, k=3``:
+    ``[1, 1, 0]``.
+
+    Raises:
+        ValueError: ``m < 0`` or ``k < 1``.
+    """
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ValueError(f"rows must be an int >= 0, got {m!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"team size must be an int >= 1, got {k!r}")
+    c = -(-m // k) if m else 0
+    out = []
+    left = m
+    for _ in range(k):
+        take = min(c, left)
+        out.append(take)
+        left -= take
+    return out
+
+
+def _link_s(intra: float, inter: float, cm: SurplusCostModel) -> float:
+    if intra <= 0 and inter <= 0:
+        return 0.0
+    return cm.latency_s + max(intra / cm.intra_node_bytes_per_s, inter / cm.inter_node_bytes_per_s)
+
+
+class _Nodes:
+    """Node arithmetic of a domain of ``S`` consecutive ranks, ``rpn`` per node."""
+
+    def __init__(self, S: int, rpn: int) -> None:
+        self.S, self.rpn = S, rpn
+
+    def node(self, r: int) -> int:
+        return r // self.rpn
+
+    def same_node_peers(self, r: int) -> int:
+        """Other domain ranks on ``r``'s node."""
+        lo = self.node(r) * self.rpn
+        return min(self.S, lo + self.rpn) - lo - 1
+
+
+def _dup_served(ranks: Sequence[int], nodes: _Nodes) -> list[list[int]]:
+    """Per duplicate home, the other ranks it sends results to (same node first, the rest round robin)."""
+    home_on = {}
+    for j, h in enumerate(ranks):
+        home_on.setdefault(nodes.node(h), j)
+    served: list[list[int]] = [[] for _ in ranks]
+    rr = 0
+    members = set(ranks)
+    for r in range(nodes.S):
+        if r in members:
+            continue
+        j = home_on.get(nodes.node(r))
+        if j is None:
+            j = rr % len(ranks)
+            rr += 1
+        served[j].append(r)
+    return served
+
+
+def serving_homes(assignment: SurplusAssignment, num_ranks: int, ranks_per_node: int = 8) -> list[int]:
+    """Per domain rank, the rank of ``assignment.ranks`` it receives its block of the NS result from.
+
+    ``single``: the one home for everyone. ``duplicate``: a home serves itself and the ranks of its node, the rest
+    go round robin over the homes in ``assignment.ranks`` order (as the cost model assumes). ``team``: ``-1`` for
+    every rank -- each member sends the rows it computed, so a rank receives from every member.
+
+    Raises:
+        ValueError: ``num_ranks`` or ``ranks_per_node`` < 1, or a rank of the assignment is out of range.
+    """
+    _check_num_ranks(num_ranks)
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
+    if any(not 0 <= r < num_ranks for r in assignment.ranks):
+        raise ValueError(f"assignment ranks {assignment.ranks} outside [0, {num_ranks})")
+    if assignment.kind == "team":
+        return [-1] * num_ranks
+    if assignment.kind == "single":
+        return [assignment.ranks[0]] * num_ranks
+    out = [0] * num_ranks
+    for h, served in zip(assignment.ranks, _dup_served(assignment.ranks, _Nodes(num_ranks, ranks_per_node))):
+        out[h] = h
+        for r in served:
+            out[r] = h
+    return out
+
+
+def _estimate_parts(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes,
+                    cm: SurplusCostModel) -> list[tuple[float, float, float]]:
+    """Per member of ``ranks``: ``(to-home, NS lane, back)`` seconds; see [Note: surplus cost model]."""
+    p, q = shape
+    S, k = nodes.S, len(ranks)
+    M = p * q * cm.dtype_bytes
+    s = M / S
+    ns = ns_flops((p, q), cm.ns_steps) / cm.ns_flops_per_s
+    served = _dup_served(ranks, nodes) if kind == "duplicate" else None
+    out = []
+    for j, h in enumerate(ranks):
+        share = 1.0 / k if kind == "team" else 1.0
+        intra_peers = nodes.same_node_peers(h)
+        inter_peers = S - 1 - intra_peers
+        to = _link_s(intra_peers * s * share, inter_peers * s * share, cm)
+        if served is not None:
+            same = sum(1 for r in served[j] if nodes.node(r) == nodes.node(h))
+            back = _link_s(same * s, (len(served[j]) - same) * s, cm)
+        else:
+            back = _link_s(intra_peers * s * share, inter_peers * s * share, cm)
+        work = ns
+        if kind == "team" and k > 1:
+            m, n = min(p, q), max(p, q)
+            peers_same = sum(1 for g in ranks if g != h and nodes.node(g) == nodes.node(h))
+            frac_same = peers_same / (k - 1)
+            gathered = cm.ns_steps * (m * m + m * n) * cm.dtype_bytes * (k - 1) / k  # bytes in, per member
+            gathers = 2 * cm.ns_steps
+            work = ns / (k * cm.team_efficiency)
+            work += gathers * cm.latency_s + max(gathered * frac_same / cm.intra_node_bytes_per_s,
+                                                 gathered * (1 - frac_same) / cm.inter_node_bytes_per_s)
+        out.append((to, work, back))
+    return out
+
+
+def _estimate(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes, cm: SurplusCostModel) -> float:
+    return max(a + b + c for a, b, c in _estimate_parts(shape, kind, ranks, nodes, cm))
+
+
+def matrix_estimate_s(
+    shape: tuple[int, int],
+    kind: str,
+    ranks: Sequence[int],
+    num_ranks: int,
+    cost_model: SurplusCostModel | None = None,
+) -> float:
+    """The cost model's to-home + NS + back of one matrix, seconds; see [Note: surplus cost model].
+
+    Args:
+        shape: the full logical ``(P, Q)``.
+        kind: ``"single"``, ``"duplicate"`` or ``"team"``.
+        ranks: the domain ranks holding it (one for ``"single"``), distinct, in ``[0, num_ranks)``.
+        num_ranks: the domain size ``S``.
+        cost_model: machine figures (default :class:`SurplusCostModel`).
+
+    Raises:
+        ValueError: bad shape, kind or ranks.
+    """
+    cm = cost_model or SurplusCostModel()
+    _check_num_ranks(num_ranks)
+    shape = _check_shape(shape)
+    if kind not in ("single", "duplicate", "team"):
+        raise ValueError(f"kind must be 'single', 'duplicate' or 'team', got {kind!r}")
+    ranks = list(ranks)
+    if not ranks or len(set(ranks)) != len(ranks) or any(
+        isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < num_ranks for r in ranks
+    ):
+        raise ValueError(f"ranks must be distinct ints in [0, {num_ranks}), got {ranks!r}")
+    if kind == "single" and len(ranks) != 1:
+        raise ValueError(f"a 'single' matrix has one home, got ranks {ranks!r}")
+    return _estimate(shape, kind, ranks, _Nodes(num_ranks, cm.ranks_per_node), cm)
+
+
+def _greedy(kind: str, params: Sequence[int], homes: Mapping[int, int], shapes: Mapping[int, tuple[int, int]],
+            surplus: list[int], nodes: _Nodes, cm: SurplusCostModel,
+            busy: Sequence[float]) -> tuple[dict[int, list[int]], dict[int, float]]:
+    ranks = {i: [homes[i]] for i in params}
+    est = {i: _estimate(shapes[i], "single", ranks[i], nodes, cm) for i in params}
+    load = list(busy)
+    for i in params:
+        load[homes[i]] += est[i]
+    holders: dict[int, list[int]] = {}
+    for i in params:
+        holders.setdefault(homes[i], []).append(i)
+    avail = list(surplus)
+    cap = cm.max_team or nodes.S
+    while avail:
+        r = max(range(nodes.S), key=lambda x: (load[x], -x))
+        cands = sorted(holders.get(r, []), key=lambda i: (-est[i], i))
+        if not cands:
+            break
+        i = cands[0]
+        base = list(ranks[i])
+        k0 = len(base)
+        release: list[int] = []
+        # Only ranks free no later than the matrix's own ranks: a helper still busy would delay it.
+        ready = max(busy[x] for x in base)
+        eligible = [x for x in avail if busy[x] <= ready]
+        if kind == "team" and all(holders[x] == [i] for x in base):
+            # [Note: team relocation] A team is cheap only inside a node (its gathers are ns_steps * (m*m + m*n)
+            # elements). A matrix whose ranks hold nothing else may move, whole, to the node where it would have
+            # the most ranks (free ones plus its own there; ties keep its node, then the lowest node); its old
+            # ranks join the free ones.
+            room: dict[int, int] = {}
+            for x in eligible + base:
+                room[nodes.node(x)] = room.get(nodes.node(x), 0) + 1
+            here = nodes.node(base[0])
+            node = max(sorted(room), key=lambda n: (room[n], n == here))
+            if node != here:
+                release, base = base, [min(x for x in eligible if nodes.node(x) == node)]
+                k0 = 1
+        home_node = nodes.node(base[0])
+        pool = [x for x in eligible if x not in base] + release
+        if kind == "team":
+            pref = sorted(pool, key=lambda x: (nodes.node(x) != home_node, x))
+        else:
+            covered = {nodes.node(x) for x in ranks[i]}
+            first_on: dict[int, int] = {}
+            for x in sorted(pool):
+                first_on.setdefault(nodes.node(x), x)
+            fresh = sorted(x for x in first_on.values() if nodes.node(x) not in covered)
+            pref = fresh + sorted(x for x in pool if x not in fresh)
+        # The fewest extra ranks that shorten this matrix (a team's gathers can make 2 slower than 1 but 4 faster).
+        best_j, best_t = 0, est[i]
+        for j in range(1, min(len(pref), cap - k0) + 1):
+            t = _estimate(shapes[i], kind, base + pref[:j], nodes, cm)
+            if t < est[i] * (1 - _REL_EPS):
+                best_j, best_t = j, t
+                break
+        if best_j == 0:
+            break  # the critical matrix cannot get shorter: neither can the wave
+        for x in ranks[i]:
+            load[x] -= est[i]
+            holders[x].remove(i)
+        ranks[i] = base + pref[:best_j]
+        est[i] = best_t
+        for x in ranks[i]:
+            load[x] += est[i]
+            holders.setdefault(x, []).append(i)
+        taken = set(ranks[i])
+        avail = sorted(x for x in set(avail) | set(release) if x not in taken)
+    return ranks, est
+
+
+def plan_surplus(
+    params: Sequence[int],
+    homes: Mapping[int, int],
+    shapes: Mapping[int, tuple[int, int]] | Sequence[tuple[int, int]],
+    num_ranks: int,
+    policy: str = "idle",
+    cost_model: SurplusCostModel | None = None,
+    busy_s: Sequence[float] | None = None,
+) -> SurplusPlan:
+    """Give the wave's surplus ranks work: duplicate homes or NS teams; see the module docstring.
+
+    Args:
+        params: the wave's param indices (``scheduler.Wave.params``).
+        homes: param index -> its home rank (``scheduler.Wave.homes``), in ``[0, num_ranks)``.
+        shapes: param index -> full logical ``(P, Q)`` (a mapping, or a sequence indexed by param index).
+        num_ranks: the domain size ``S``.
+        policy: ``"idle"``, ``"duplicate"``, ``"team"`` or ``"auto"``.
+        cost_model: machine figures (default :class:`SurplusCostModel`).
+        busy_s: per rank, seconds of NS work still queued when this wave's NS starts (e.g. the previous wave's);
+            a surplus rank is used only for a matrix whose ranks are busy at least as long, and the loads include
+            it. ``None``: all free.
+
+    Returns:
+        A :class:`SurplusPlan`: per param its kind and ranks (home first), per-rank loads and the wave estimate
+        (seconds). Only surplus ranks are added; a team may leave its wave home (see [Note: team relocation]),
+        which then counts as free; a home holding several matrices keeps them all.
+
+    Raises:
+        ValueError: unknown policy, ``num_ranks < 1``, a home out of range, ``homes`` keys not the params,
+            duplicate params, or a bad shape.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"surplus policy must be one of {POLICIES}, got {policy!r}")
+    _check_num_ranks(num_ranks)
+    cm = cost_model or SurplusCostModel()
+    params = list(params)
+    if len(set(params)) != len(params) or set(homes) != set(params):
+        raise ValueError(f"params {params[:16]} must be distinct and match the homes' keys {sorted(homes)[:16]}")
+    for i in params:
+        h = homes[i]
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < num_ranks:
+            raise ValueError(f"home of param {i} is {h!r}; expected an int in [0, {num_ranks})")
+    shp = {i: _check_shape(tuple(shapes[i])) for i in params}
+    if busy_s is None:
+        busy = [0.0] * num_ranks
+    else:
+        busy = [float(x) for x in busy_s]
+        if len(busy) != num_ranks or any(not math.isfinite(x) or x < 0 for x in busy):
+            raise ValueError(f"busy_s must hold {num_ranks} finite times >= 0 (seconds), got {list(busy_s)[:16]}")
+    nodes = _Nodes(num_ranks, cm.ranks_per_node)
+    used = {homes[i] for i in params}
+    surplus = [r for r in range(num_ranks) if r not in used]
+
+    def build(kind: str) -> SurplusPlan:
+        if kind == "idle" or not surplus or not params:
+            ranks = {i: [homes[i]] for i in params}
+            est = {i: _estimate(shp[i], "single", ranks[i], nodes, cm) for i in params}
+        else:
+            ranks, est = _greedy(kind, params, homes, shp, surplus, nodes, cm, busy)
+        load = list(busy)
+        out = {}
+        for i in params:
+            k = "single" if len(ranks[i]) == 1 else kind
+            out[i] = SurplusAssignment(kind=k, ranks=tuple(ranks[i]), estimate_s=est[i])
+            for r in ranks[i]:
+                load[r] += est[i]
+        return SurplusPlan(policy=kind, assignments=out, rank_load_s=tuple(load), wave_s=max(load, default=0.0),
+                           surplus_ranks=tuple(surplus))
+
+    if policy != "auto":
+        return build(policy)
+    best = build("idle")
+    for kind in ("duplicate", "team"):
+        cand = build(kind)
+        if cand.wave_s < best.wave_s * (1 - 1e-9):  # a tie keeps the simpler policy
+            best = cand
+    return best

@@ -1,0 +1,185 @@
+"""The surplus-slot planner ``scheduler.surplus`` (pure Python, no process group)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import ns_flops, plan_waves
+from scheduler.surplus import (
+    POLICIES,
+    SurplusCostModel,
+    matrix_estimate_s,
+    plan_surplus,
+    serving_homes,
+    team_row_counts,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+# A CPU-like machine where NS dominates (so teams and duplicates pay off) and one where links dominate.
+_NS_BOUND = SurplusCostModel(ns_flops_per_s=1e12, intra_node_bytes_per_s=400e9, inter_node_bytes_per_s=50e9,
+                             ranks_per_node=4, latency_s=20e-6)
+_LINK_BOUND = SurplusCostModel(ns_flops_per_s=1e15, intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e8,
+                               ranks_per_node=4, latency_s=1e-3)
+
+
+def _check_plan(plan, params, homes, num_ranks):
+    assert set(plan.assignments) == set(params)
+    multi = [r for a in plan.assignments.values() if len(a.ranks) > 1 for r in a.ranks]
+    single = [a.ranks[0] for a in plan.assignments.values() if len(a.ranks) == 1]
+    # a grown matrix's ranks are its own: never shared with another matrix
+    assert len(multi) == len(set(multi)) and not set(multi) & set(single)
+    for i, a in plan.assignments.items():
+        assert all(0 <= r < num_ranks for r in a.ranks)
+        assert a.kind in ("single", "duplicate", "team")
+        assert (a.kind == "single") == (len(a.ranks) == 1)
+        if a.kind == "duplicate":
+            assert a.ranks[0] == homes[i]  # duplicates never move the home
+        extra = set(a.ranks) - {homes[i]}
+        assert extra <= set(plan.surplus_ranks)
+    assert plan.wave_s == max(plan.rank_load_s)
+
+
+def test_idle_is_the_wave_plan():
+    params, homes = [3, 1, 2], {3: 0, 1: 5, 2: 2}
+    shapes = {1: (256, 256), 2: (128, 512), 3: (512, 128)}
+    plan = plan_surplus(params, homes, shapes, 8, "idle", _NS_BOUND)
+    _check_plan(plan, params, homes, 8)
+    assert {i: a.ranks for i, a in plan.assignments.items()} == {3: (0,), 1: (5,), 2: (2,)}
+    assert plan.surplus_ranks == (1, 3, 4, 6, 7)
+    assert plan.policy == "idle"
+
+
+@pytest.mark.parametrize("policy", ["duplicate", "team", "auto"])
+def test_more_homes_than_matrices_uses_the_surplus(policy):
+    """One big matrix on 8 ranks: 7 are surplus; every policy but idle must shorten the wave on an NS-bound
+    machine (team: compute / k) or at least not lengthen it (duplicate: only the way back shrinks)."""
+    params, homes, shapes = [0], {0: 0}, [(2048, 8192)]
+    idle = plan_surplus(params, homes, shapes, 8, "idle", _NS_BOUND)
+    plan = plan_surplus(params, homes, shapes, 8, policy, _NS_BOUND)
+    _check_plan(plan, params, homes, 8)
+    assert plan.wave_s <= idle.wave_s
+    if policy in ("team", "auto"):
+        a = plan.assignments[0]
+        assert a.kind == "team" and len(a.ranks) > 1
+        assert plan.wave_s < 0.6 * idle.wave_s
+        assert plan.policy == "team"
+
+
+def test_uneven_wave_gives_ranks_to_the_critical_matrix_first():
+    """A big and two small matrices on 6 ranks: the big one is the wave's time, so it gets the surplus."""
+    params, homes = [0, 1, 2], {0: 0, 1: 1, 2: 2}
+    shapes = [(4096, 4096), (128, 128), (256, 128)]
+    plan = plan_surplus(params, homes, shapes, 6, "team", _NS_BOUND)
+    _check_plan(plan, params, homes, 6)
+    assert len(plan.assignments[0].ranks) > 1
+    assert len(plan.assignments[1].ranks) == len(plan.assignments[2].ranks) == 1
+
+
+@pytest.mark.parametrize("shape", [(8192, 2048), (2048, 8192)])
+def test_tall_and_wide_plan_the_same(shape):
+    """Cost depends on (min, max) of the shape: a tall matrix and its transpose plan alike."""
+    a = plan_surplus([0], {0: 3}, [shape], 8, "auto", _NS_BOUND)
+    b = plan_surplus([0], {0: 3}, [shape[::-1]], 8, "auto", _NS_BOUND)
+    assert a.assignments[0].ranks == b.assignments[0].ranks and a.wave_s == b.wave_s
+    assert matrix_estimate_s(shape, "team", [3, 2], 8, _NS_BOUND) == matrix_estimate_s(
+        shape[::-1], "team", [3, 2], 8, _NS_BOUND)
+
+
+def test_link_bound_machine_keeps_idle_under_auto():
+    """Where gathers cost more than the NS they split, auto does not build teams."""
+    plan = plan_surplus([0, 1], {0: 0, 1: 1}, [(512, 512), (512, 1024)], 8, "auto", _LINK_BOUND)
+    assert plan.policy in ("idle", "duplicate")
+    assert all(a.kind != "team" for a in plan.assignments.values())
+
+
+def test_duplicates_cover_other_nodes_first():
+    plan = plan_surplus([0], {0: 1}, [(1024, 4096)], 16,
+                        "duplicate", SurplusCostModel(ns_flops_per_s=1e15, ranks_per_node=4,
+                                                      inter_node_bytes_per_s=1e9, intra_node_bytes_per_s=1e11))
+    ranks = plan.assignments[0].ranks
+    assert ranks[0] == 1 and len(ranks) > 1
+    nodes = [r // 4 for r in ranks]
+    assert len(ranks) >= 4 and len(set(nodes[:4])) == 4  # one home per node before any node gets a second
+
+
+def test_team_moves_to_a_node_with_room():
+    """[Note: team relocation]: a home on a full node moves its team to the node with free ranks."""
+    params = [0, 1, 2, 3]
+    homes = {0: 0, 1: 1, 2: 2, 3: 3}  # node 0 full, node 1 (ranks 4-7) free
+    shapes = [(4096, 4096), (64, 64), (64, 64), (64, 64)]
+    plan = plan_surplus(params, homes, shapes, 8, "team", _NS_BOUND)
+    _check_plan(plan, params, homes, 8)
+    a = plan.assignments[0]
+    # the team is built on node 1 first; the released home (rank 0) may join it later, over the slow link
+    assert a.kind == "team" and a.ranks[:4] == (4, 5, 6, 7)
+    assert set(a.ranks) <= {0, 4, 5, 6, 7}
+
+
+def test_deterministic_and_matches_waves_of_a_model():
+    shapes = [(1024, 1024), (256, 1024), (256, 1024), (1024, 1024), (2816, 1024), (2816, 1024), (1024, 2816)] * 4
+    costs = [ns_flops(s) for s in shapes]
+    waves = plan_waves(list(range(len(shapes) - 1, -1, -1)), costs, 16)
+    last = waves[-1]
+    assert len(last.params) < 16  # tapered: surplus exists
+    for policy in POLICIES:
+        p1 = plan_surplus(last.params, last.homes, shapes, 16, policy, _NS_BOUND)
+        p2 = plan_surplus(last.params, last.homes, shapes, 16, policy, _NS_BOUND)
+        assert p1 == p2
+        _check_plan(p1, last.params, last.homes, 16)
+
+
+def test_full_wave_has_no_surplus():
+    plan = plan_surplus([0, 1], {0: 0, 1: 1}, [(512, 512)] * 2, 2, "team", _NS_BOUND)
+    assert plan.surplus_ranks == () and all(a.kind == "single" for a in plan.assignments.values())
+
+
+def test_team_row_counts_follow_torch_chunk():
+    import torch
+
+    for m in range(0, 12):
+        for k in range(1, 6):
+            expect = [c.size(0) for c in torch.arange(m).chunk(k)] if m else []
+            expect += [0] * (k - len(expect))
+            assert team_row_counts(m, k) == expect, (m, k)
+    with pytest.raises(ValueError, match="team size"):
+        team_row_counts(4, 0)
+
+
+def test_bad_input_names_the_problem():
+    with pytest.raises(ValueError, match="policy"):
+        plan_surplus([0], {0: 0}, [(4, 4)], 2, "spare")
+    with pytest.raises(ValueError, match="home of param 0"):
+        plan_surplus([0], {0: 5}, [(4, 4)], 2, "idle")
+    with pytest.raises(ValueError, match="match the homes"):
+        plan_surplus([0, 1], {0: 0}, [(4, 4)] * 2, 2, "idle")
+    with pytest.raises(ValueError, match="shape"):
+        plan_surplus([0], {0: 0}, [(4, 4, 4)], 2, "idle")
+    with pytest.raises(ValueError, match="team_efficiency"):
+        SurplusCostModel(team_efficiency=0)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        SurplusCostModel(ranks_per_node=0)
+    with pytest.raises(ValueError, match="kind"):
+        matrix_estimate_s((4, 4), "pair", [0], 2)
+    with pytest.raises(ValueError, match="one home"):
+        matrix_estimate_s((4, 4), "single", [0, 1], 2)
+
+
+def test_serving_homes_cover_every_rank():
+    cm = SurplusCostModel(ns_flops_per_s=1e15, ranks_per_node=4, inter_node_bytes_per_s=1e9,
+                          intra_node_bytes_per_s=1e11)
+    plan = plan_surplus([0, 1], {0: 1, 1: 2}, [(1024, 4096), (64, 64)], 12, "duplicate", cm)
+    dup, single = plan.assignments[0], plan.assignments[1]
+    assert dup.kind == "duplicate"
+    served = serving_homes(dup, 12, 4)
+    assert set(served) == set(dup.ranks)  # every home serves someone (itself at least)
+    for h in dup.ranks:
+        assert served[h] == h
+    for r, h in enumerate(served):
+        if any(x // 4 == r // 4 for x in dup.ranks):
+            assert h // 4 == r // 4  # a node with a home is served locally
+    assert serving_homes(single, 12, 4) == [2] * 12
+    team = plan_surplus([0], {0: 0}, [(2048, 8192)], 4, "team", _NS_BOUND).assignments[0]
+    assert serving_homes(team, 4, 4) == [-1] * 4
+    with pytest.raises(ValueError, match="outside"):
+        serving_homes(dup, 2, 4)

@@ -3,7 +3,11 @@
 No optimizer knowledge: hooks report param indices and call back; the caller decides what to launch or wait on.
 """
 
-from .forward_wait import fsdp_param_streams, register_forward_waits
+from .forward_wait import fsdp_param_streams, params_read_by_module, register_forward_waits
+from .ownership import ParamOwners, weak_callback
 from .grad_ready import GradReadyTracker, ddp_readiness_hook
 
-__all__ = ["GradReadyTracker", "ddp_readiness_hook", "fsdp_param_streams", "register_forward_waits"]
+__all__ = [
+    "GradReadyTracker", "ddp_readiness_hook", "fsdp_param_streams", "params_read_by_module", "register_forward_waits",
+    "ParamOwners", "weak_callback",
+]

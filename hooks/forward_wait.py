@@ -67,3 +67,28 @@ def fsdp_param_streams(module: torch.nn.Module) -> list:
     ctx = getattr(get_state(), "_comm_ctx", None)
     streams = [getattr(ctx, "all_gather_copy_in_stream", None), getattr(ctx, "all_gather_stream", None)]
     return [s for s in streams if s is not None and hasattr(s, "wait_event")]
+
+
+def params_read_by_module(model: torch.nn.Module, index: dict[int, int]) -> dict[torch.nn.Module, set[int]]:
+    """For each module whose forward reads some of the params in ``index`` (``id(param) -> i``), those ``i``.
+
+    A module reads the params it owns directly; an FSDP2 module also reads the params it manages (its subtree minus
+    nested FSDP2 modules), since it all-gathers them in its own pre-forward.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:  # pragma: no cover
+        FSDPModule = ()  # type: ignore[assignment]
+
+    def own(mod: torch.nn.Module) -> set[int]:
+        return {index[id(p)] for p in mod.parameters(recurse=False) if id(p) in index}
+
+    def managed(mod: torch.nn.Module) -> set[int]:
+        out = own(mod)
+        for child in mod.children():
+            if not isinstance(child, FSDPModule):
+                out |= managed(child)
+        return out
+
+    reads = {mod: (managed(mod) if isinstance(mod, FSDPModule) else own(mod)) for mod in model.modules()}
+    return {mod: s for mod, s in reads.items() if s}

@@ -20,12 +20,38 @@ adjusted lr are computed in its dtype); both are passed through unchanged.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 
-from .ns import adjusted_lr
+from .ns import _schedule, adjusted_lr
 
-__all__ = ["momentum_update", "ns_input", "apply_update"]
+__all__ = ["check_hyperparameters", "momentum_update", "ns_input", "apply_update"]
+
+
+def check_hyperparameters(
+    lr: float | Tensor, weight_decay: float, momentum: float, eps: float, adjust_lr_fn: str | None,
+    ns_coefficients: Any, ns_steps: int,
+) -> None:
+    """The checks (and messages) of ``torch.optim.Muon.__init__``, plus the NS schedule's.
+
+    Raises:
+        ValueError: a tensor ``lr`` with more than one element, a negative ``lr``/``momentum``/``weight_decay``/
+            ``eps``, an unknown ``adjust_lr_fn``, or malformed ``ns_coefficients``/``ns_steps``.
+    """
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+    if not 0.0 <= momentum:
+        raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+    if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+        raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"eps should be >= 0 but is: {eps}")
+    _schedule(ns_coefficients, ns_steps)
 
 
 def momentum_update(buf: Tensor, grad: Tensor, momentum: float) -> Tensor:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import logging
 import warnings
 import weakref
@@ -27,14 +26,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hooks import GradReadyTracker, ddp_readiness_hook, fsdp_param_streams, register_forward_waits
+from hooks import (
+    GradReadyTracker, ParamOwners, ddp_readiness_hook, fsdp_param_streams, params_read_by_module,
+    register_forward_waits, weak_callback,
+)
 from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_waves
 from scheduler.waves import Wave
 
 from .config import OverlapMuonConfig, resolve_config
 from .domain import Domain, describe_param, discover_layouts, local_tensor, my_coords
-from .ns import DEFAULT_NS_COEFFICIENTS, _schedule
+from .muon_math import check_hyperparameters
+from .ns import DEFAULT_NS_COEFFICIENTS
 from .pipeline import Hyper, TestingSeam, WavePipeline
+from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
 
 __all__ = ["OverlapMuon"]
 
@@ -45,19 +49,8 @@ try:
 except Exception:  # pragma: no cover
     FSDPModule = ()  # type: ignore[assignment]
 
-# id(param) -> (weakref(param), weakref(optimizer)): one live OverlapMuon drives a param at a time.
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def _weak(method: Callable) -> Callable:
-    """A callback that holds its object weakly: hooks must not keep a dropped optimizer alive."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        m = ref()
-        return None if m is None else m(*args)
-
-    return call
+# One live OverlapMuon drives a param at a time (its hooks would apply every update twice otherwise).
+_OWNERS = ParamOwners(lambda opt: getattr(opt, "_finalizer", None) is not None and opt._finalizer.alive)
 
 
 def _remove_all(handles: list, pipeline: WavePipeline) -> None:
@@ -121,25 +114,14 @@ class OverlapMuon(torch.optim.Optimizer):
             raise TypeError(f"OverlapMuon expects an nn.Module, got {type(model).__name__}")
         ddp = model if isinstance(model, DistributedDataParallel) else None
         model = ddp.module if ddp is not None else model
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not 0.0 <= momentum:
-            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
-        if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
-            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
-        if not (isinstance(eps, (int, float)) and eps >= 0):
-            raise ValueError(f"eps should be >= 0 but is: {eps}")
-        _schedule(ns_coefficients, ns_steps)  # validates
+        check_hyperparameters(lr, weight_decay, momentum, eps, adjust_lr_fn, ns_coefficients, ns_steps)
         if muon_filter is not None and not callable(muon_filter):
             raise TypeError("muon_filter must be callable (name, param) -> bool")
         self.config: OverlapMuonConfig = resolve_config(**options)
         self._testing = _testing or TestingSeam()
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self._claim(model)
+        _OWNERS.claim(model.parameters(), self, "OverlapMuon: another live OverlapMuon already drives this model's "
+                      "params; call its close() before building a new one on the same model")
 
         # ---- sort params; place the Muon matrices in the domain (errors raised on every rank) ----------------
         linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
@@ -182,7 +164,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self._link_adamw()
         for m in self._muon:  # eager state: identical state_dict keys on every rank (DCP)
             self.state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
-        self._init_adamw_state()
+        init_adamw_state(self.param_groups[1:], self.state)
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self.stats: dict[str, int] = defaultdict(int)
         """Counters: ``ns_matrices`` (matrices NS'd on this rank), ``ns_calls`` (zeropower calls),
@@ -205,11 +187,11 @@ class OverlapMuon(torch.optim.Optimizer):
         self._covered: set[int] = set()  # Muon params some forward wait has covered (recorded in the first step)
         self._module_params: dict[nn.Module, set[int]] = {}
         if self.config.overlap and self._muon:
-            self._tracker = GradReadyTracker([m.param for m in self._muon], _weak(self._on_ready),
-                                             on_backward_end=_weak(self._on_backward_end))
+            self._tracker = GradReadyTracker([m.param for m in self._muon], weak_callback(self._on_ready),
+                                             on_backward_end=weak_callback(self._on_backward_end))
             self._handles.append(self._tracker)
             self._register_waits(model)
-        self._handles.append(model.register_state_dict_pre_hook(_weak(self._sync_hook)))
+        self._handles.append(model.register_state_dict_pre_hook(weak_callback(self._sync_hook)))
         self._finalizer = weakref.finalize(self, _remove_all, self._handles, self._pipeline)
         self._built = True
         if ddp is not None:
@@ -220,24 +202,6 @@ class OverlapMuon(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------------
     # construction helpers
     # ------------------------------------------------------------------------------------------------------
-    def _claim(self, model: nn.Module) -> None:
-        """Refuse a model another live OverlapMuon drives (its hooks would apply every update twice)."""
-        def owner(p: Tensor) -> Any:
-            entry = _OWNERS.get(id(p))
-            return entry[1]() if entry is not None and entry[0]() is p else None
-
-        params = list(model.parameters())
-        if any(owner(p) is not None for p in params):
-            gc.collect()  # a dropped optimizer may only wait for the cycle collector
-        if any(o is not None and getattr(o, "_finalizer", None) is not None and o._finalizer.alive
-               for o in map(owner, params)):
-            raise RuntimeError(
-                "OverlapMuon: another live OverlapMuon already drives this model's params; call its close() "
-                "before building a new one on the same model (its hooks would apply every update twice)"
-            )
-        for p in params:
-            _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
-
     def _raise_everywhere(self, errors: list[str]) -> None:
         """Raise on every rank if any rank found bad input (invariant 6), before any exchange.
 
@@ -250,22 +214,6 @@ class OverlapMuon(torch.optim.Optimizer):
                                      for e in errs]
         if errors:
             raise ValueError("OverlapMuon: " + "; ".join(dict.fromkeys(errors)))
-
-    def _init_adamw_state(self) -> None:
-        """Create the AdamW state now, as ``torch.optim.AdamW._init_group`` does on a param's first step (zero
-        moments, ``step`` 0), so the state holds every param from construction on: DCP's ``set_state_dict``
-        builds its load template from it (and skips its own warm-up step once any state exists)."""
-        for group in self.param_groups[1:]:
-            for p in group["params"]:
-                st = self.state[p]
-                if st:
-                    continue
-                on_dev = group["capturable"] or group["fused"]
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_dev else None)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
-                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: params, domain layout, homes, waves and hooks are planned once.
@@ -299,26 +247,10 @@ class OverlapMuon(torch.optim.Optimizer):
         self._pipeline.reset_plans()
 
     def _register_waits(self, model: nn.Module) -> None:
-        """Forward pre-hooks (prepended, before FSDP2's all-gather) waiting for the waves of each module's params.
-
-        A module that owns Muon params directly waits for them; an FSDP2 module also waits for the Muon params it
-        manages (its subtree minus nested FSDP2 modules), since it all-gathers them in its own pre-hook.
-        """
-        index = {id(m.param): m.index for m in self._muon}
-
-        def managed(mod: nn.Module) -> set[int]:
-            out = {index[id(p)] for p in mod.parameters(recurse=False) if id(p) in index}
-            for child in mod.children():
-                if not isinstance(child, FSDPModule):
-                    out |= managed(child)
-            return out
-
-        for mod in model.modules():
-            own = managed(mod) if isinstance(mod, FSDPModule) else {
-                index[id(p)] for p in mod.parameters(recurse=False) if id(p) in index}
-            if own:
-                self._module_params[mod] = own
-        self._handles += register_forward_waits(list(self._module_params), _weak(self._wait_module))
+        """Forward pre-hooks (prepended, before FSDP2's all-gather) waiting for the waves of the params each
+        module's forward reads (``hooks.params_read_by_module``)."""
+        self._module_params = params_read_by_module(model, {id(m.param): m.index for m in self._muon})
+        self._handles += register_forward_waits(list(self._module_params), weak_callback(self._wait_module))
 
     # ------------------------------------------------------------------------------------------------------
     # hooks -> dispatcher -> pipeline; forward waits -> pipeline
@@ -404,7 +336,7 @@ class OverlapMuon(torch.optim.Optimizer):
                 loss = closure()
         self._accumulating = False
         self._pipeline.reap()
-        ok = self._all_finite() if self.config.skip_nonfinite else True
+        ok = self._pipeline.all_finite() if self.config.skip_nonfinite else True
         self.stats["skipped_steps"] += not ok
         self._dispatcher.flush()
         reruns = self._pipeline.commit(self._waves, self.param_groups[0], validate=self.config.overlap, skip=not ok)
@@ -430,16 +362,6 @@ class OverlapMuon(torch.optim.Optimizer):
             self.synchronize()
         return loss
 
-    def _all_finite(self) -> bool:
-        """True when every Muon gradient on every rank is finite: device flags, one all-reduce of their max on
-        the runtime's gloo group. Reads one flag on the host (on CUDA a sync; ``skip_nonfinite`` is opt-in)."""
-        grads = [local_tensor(m.param.grad) for m in self._muon if m.param.grad is not None]
-        bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any() if grads else torch.tensor(False)
-        flag = bad.to("cpu", torch.uint8).reshape(1)
-        if self._pipeline.ctrl_group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pipeline.ctrl_group)
-        return int(flag[0]) == 0
-
     def synchronize(self) -> None:
         """Block until every committed wave has been applied (host waits; on CUDA the device too).
 
@@ -462,7 +384,7 @@ class OverlapMuon(torch.optim.Optimizer):
         mine = {index[id(p)] for p in params if id(p) in index}
         self._module_params[module] = self._module_params.get(module, set()) | mine
         self._covered |= mine
-        self._handles += register_forward_waits([module], _weak(self._wait_module))
+        self._handles += register_forward_waits([module], weak_callback(self._wait_module))
 
     def _adopt_observed_order(self) -> None:
         """After the first step: broadcast rank 0's observed readiness order and re-plan the waves with it."""
@@ -503,10 +425,7 @@ class OverlapMuon(torch.optim.Optimizer):
         sharded as the params are; every Muon param has a momentum buffer from construction on."""
         self.synchronize()
         sd = super().state_dict()
-        sd["overlap_muon"] = {
-            "muon_params": [(m.name, list(m.full_shape), m.partition_dim) for m in self._muon],
-            "num_adamw_params": sum(len(g["params"]) for g in self.param_groups[1:]),
-        }
+        sd["overlap_muon"] = checkpoint_meta(self._muon, self.param_groups[1:])
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -519,31 +438,7 @@ class OverlapMuon(torch.optim.Optimizer):
         """
         self.synchronize()
         self._pipeline.discard()
-        errors = []
-        meta = state_dict.get("overlap_muon")
-        if meta is not None:
-            mine = [(m.name, list(m.full_shape), m.partition_dim) for m in self._muon]
-            theirs = [(n, list(s), d) for n, s, d in meta["muon_params"]]
-            if theirs != mine:
-                diff = [f"{a} vs {b}" for a, b in zip(theirs, mine) if a != b][:3]
-                errors.append(f"checkpoint has {len(theirs)} Muon params, this optimizer {len(mine)}; first "
-                              f"differences (checkpoint vs this): {diff or 'lengths differ'}")
-        groups = state_dict.get("param_groups", [])
-        if len(groups) != len(self.param_groups):
-            errors.append(f"checkpoint has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
-        else:
-            errors += [f"param group {gi} has {len(a['params'])} params in the checkpoint, {len(b['params'])} here"
-                       for gi, (a, b) in enumerate(zip(groups, self.param_groups)) if len(a["params"]) != len(b["params"])]
-        if not errors:
-            by_id = dict(zip([i for g in groups for i in g["params"]], [p for g in self.param_groups for p in g["params"]]))
-            for pid, st in state_dict.get("state", {}).items():
-                p = by_id.get(pid)
-                for key, v in (st.items() if p is not None and isinstance(st, dict) else ()):
-                    # every per-element entry (momentum_buffer, exp_avg, exp_avg_sq, ...) has its param's shape
-                    if isinstance(v, Tensor) and v.ndim > 0 and tuple(v.shape) != tuple(p.shape):
-                        what = "momentum of Muon param" if key == "momentum_buffer" else f"{key} of AdamW param"
-                        errors.append(f"{what} {self._param_names.get(id(p), pid)!r} has shape {tuple(v.shape)} in "
-                                      f"the checkpoint, expected {tuple(p.shape)}")
+        errors = checkpoint_errors(state_dict, self._muon, self.param_groups, self._param_names)
         if errors:
             raise ValueError("OverlapMuon.load_state_dict: checkpoint does not fit; nothing loaded: " + "; ".join(errors))
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "overlap_muon"})
@@ -570,7 +465,7 @@ class OverlapMuon(torch.optim.Optimizer):
         if self._tracker is not None:
             self._tracker.remove()
             self._tracker = None
-        on_ready = _weak(self._on_ready)
+        on_ready = weak_callback(self._on_ready)
         state, hook = ddp_readiness_hook(lambda idx: [on_ready(i) for i in idx],
                                          {id(m.param): m.index for m in self._muon},
                                          process_group=ddp_model.process_group)

@@ -508,6 +508,17 @@ class WavePipeline:
         if error is not None:
             raise error
 
+    def all_finite(self) -> bool:
+        """True when every Muon gradient on every rank is finite (``skip_nonfinite``): device flags, one all-reduce
+        of their max on the gloo control group. Reads one flag on the host: on CUDA a sync, once per step; the
+        option is off by default."""
+        grads = [local_tensor(m.param.grad) for m in self.muon if m.param.grad is not None]
+        bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any() if grads else torch.tensor(False)
+        flag = bad.to("cpu", torch.uint8).reshape(1)
+        if self.ctrl_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+        return int(flag[0]) == 0
+
     def has_pending(self) -> bool:
         """Some wave has been launched this step and not committed."""
         with self._lock:

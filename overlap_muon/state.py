@@ -1,0 +1,75 @@
+"""Optimizer state that ``OverlapMuon`` keeps the way torch does: AdamW state created eagerly, and the checks a
+checkpoint must pass before :meth:`OverlapMuon.load_state_dict` touches anything."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .domain import MuonParam
+
+__all__ = ["init_adamw_state", "checkpoint_meta", "checkpoint_errors"]
+
+
+def init_adamw_state(groups: Sequence[dict[str, Any]], state: dict) -> None:
+    """Create the AdamW state now, as ``torch.optim.AdamW._init_group`` does on a param's first step (zero moments,
+    ``step`` 0), so the state holds every param from construction on: DCP's ``set_state_dict`` builds its load
+    template from it (and skips its own warm-up step once any state exists)."""
+    for group in groups:
+        for p in group["params"]:
+            st = state[p]
+            if st:
+                continue
+            on_dev = group["capturable"] or group["fused"]
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_dev else None)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def checkpoint_meta(muon: Sequence[MuonParam], adamw_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ``"overlap_muon"`` entry of a state dict: Muon param names, full shapes, partition dims."""
+    return {
+        "muon_params": [(m.name, list(m.full_shape), m.partition_dim) for m in muon],
+        "num_adamw_params": sum(len(g["params"]) for g in adamw_groups),
+    }
+
+
+def checkpoint_errors(
+    state_dict: dict[str, Any], muon: Sequence[MuonParam], groups: Sequence[dict[str, Any]], names: dict[int, str]
+) -> list[str]:
+    """Why ``state_dict`` does not fit an optimizer with Muon params ``muon`` and param ``groups`` (empty: it fits).
+
+    Checked: the Muon param names, full shapes and partition dims (when the checkpoint records them), the number of
+    groups and of params per group, and that every per-element state tensor has its param's shape.
+    """
+    errors = []
+    meta = state_dict.get("overlap_muon")
+    if meta is not None:
+        mine = [(m.name, list(m.full_shape), m.partition_dim) for m in muon]
+        theirs = [(n, list(s), d) for n, s, d in meta["muon_params"]]
+        if theirs != mine:
+            diff = [f"{a} vs {b}" for a, b in zip(theirs, mine) if a != b][:3]
+            errors.append(f"checkpoint has {len(theirs)} Muon params, this optimizer {len(mine)}; first differences "
+                          f"(checkpoint vs this): {diff or 'lengths differ'}")
+    saved = state_dict.get("param_groups", [])
+    if len(saved) != len(groups):
+        return errors + [f"checkpoint has {len(saved)} param groups, this optimizer {len(groups)}"]
+    errors += [f"param group {gi} has {len(a['params'])} params in the checkpoint, {len(b['params'])} here"
+               for gi, (a, b) in enumerate(zip(saved, groups)) if len(a["params"]) != len(b["params"])]
+    if errors:
+        return errors
+    by_id = dict(zip([i for g in saved for i in g["params"]], [p for g in groups for p in g["params"]]))
+    for pid, st in state_dict.get("state", {}).items():
+        p = by_id.get(pid)
+        for key, v in (st.items() if p is not None and isinstance(st, dict) else ()):
+            # every per-element entry (momentum_buffer, exp_avg, exp_avg_sq, ...) has its param's shape
+            if isinstance(v, Tensor) and v.ndim > 0 and tuple(v.shape) != tuple(p.shape):
+                what = "momentum of Muon param" if key == "momentum_buffer" else f"{key} of AdamW param"
+                errors.append(f"{what} {names.get(id(p), pid)!r} has shape {tuple(v.shape)} in the checkpoint, "
+                              f"expected {tuple(p.shape)}")
+    return errors

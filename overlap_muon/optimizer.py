@@ -33,6 +33,7 @@ from hooks import (
 from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_waves
 from scheduler.waves import Wave
 
+from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
 from .domain import Domain, describe_param, discover_layouts, local_tensor, my_coords
 from .muon_math import check_hyperparameters
@@ -43,6 +44,11 @@ from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
 __all__ = ["OverlapMuon"]
 
 logger = logging.getLogger("overlap_muon")
+
+try:
+    from torch.distributed.tensor import DTensor
+except Exception:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment]
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -72,6 +78,11 @@ class OverlapMuon(torch.optim.Optimizer):
             hyper-parameters with ``torch.optim.Muon``'s names, defaults and meaning (``lr`` may be a 0-d tensor,
             kept as one). ``ns_coefficients`` may also be a sequence of ``ns_steps`` per-step ``(a, b, c)``.
         adamw_kwargs: passed verbatim to the ``torch.optim.AdamW`` of the non-Muon params (default ``{}``).
+        max_grad_norm: when set, ``step()`` clips every gradient (Muon and AdamW, every rank) by the global norm,
+            exactly as ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)`` between backward and
+            ``step()`` would, keeping the overlap on steps where clipping does not bite ([Note: clipping and
+            speculative waves] in ``overlap_muon/clip.py``); ``last_grad_norm`` holds the norm before clipping.
+            Needs DTensor params or one process (a plain-tensor shard cannot tell which peers hold copies).
         muon_filter: ``(name, param) -> bool`` picking Muon params; default: 2-D weights of ``nn.Linear``.
         device_mesh: a 2-D ``DeviceMesh`` with dims ``("remat", "tp")``, or 1-D (dim named ``"tp"``: TP only,
             else remat only), over which the Muon params are DTensors.
@@ -100,6 +111,7 @@ class OverlapMuon(torch.optim.Optimizer):
         ns_steps: int = 5,
         eps: float = 1e-7,
         adjust_lr_fn: str | None = None,
+        max_grad_norm: float | None = None,
         adamw_kwargs: dict[str, Any] | None = None,
         muon_filter: Callable[[str, Tensor], bool] | None = None,
         device_mesh: Any = None,
@@ -115,6 +127,9 @@ class OverlapMuon(torch.optim.Optimizer):
         ddp = model if isinstance(model, DistributedDataParallel) else None
         model = ddp.module if ddp is not None else model
         check_hyperparameters(lr, weight_decay, momentum, eps, adjust_lr_fn, ns_coefficients, ns_steps)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
         if muon_filter is not None and not callable(muon_filter):
             raise TypeError("muon_filter must be callable (name, param) -> bool")
         self.config: OverlapMuonConfig = resolve_config(**options)
@@ -140,6 +155,9 @@ class OverlapMuon(torch.optim.Optimizer):
         errors += [mesh_err] if mesh_err else []
         described = [describe_param(i, n, p, device_mesh, R, T, g, t) for i, (n, p) in enumerate(muon_named)]
         self._muon = [mp for mp, err in described if mp is not None]
+        if max_grad_norm is not None and R * T > 1 and any(not isinstance(m.param, DTensor) for m in self._muon):
+            errors.append("max_grad_norm needs DTensor params on a multi-rank domain (a plain shard's norm cannot "
+                          "be reduced without knowing which peers hold copies); clip the gradients yourself")
         self._raise_everywhere(errors + [err for _, err in described if err])
 
         # ---- runtime groups (collective over the default group) ----------------------------------------------
@@ -166,6 +184,7 @@ class OverlapMuon(torch.optim.Optimizer):
             self.state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
         init_adamw_state(self.param_groups[1:], self.state)
         self._param_names = {id(p): n for n, p in model.named_parameters()}
+        self._model_params = list(model.parameters())
         self.stats: dict[str, int] = defaultdict(int)
         """Counters: ``ns_matrices`` (matrices NS'd on this rank), ``ns_calls`` (zeropower calls),
         ``waves_launched``, ``reruns`` (waves re-run at ``step()`` because their inputs changed), ``steps``,
@@ -337,6 +356,11 @@ class OverlapMuon(torch.optim.Optimizer):
         self._accumulating = False
         self._pipeline.reap()
         ok = self._pipeline.all_finite() if self.config.skip_nonfinite else True
+        if self.max_grad_norm is not None and ok:
+            # model.parameters() order: the norm of the stacked norms depends on it, as in clip_grad_norm_
+            grads = [p.grad for p in self._model_params if p.grad is not None]
+            self.last_grad_norm, clipped = clip_grads_by_total_norm_(grads, self.max_grad_norm)
+            self.stats["clipped_steps"] += clipped
         self.stats["skipped_steps"] += not ok
         self._dispatcher.flush()
         reruns = self._pipeline.commit(self._waves, self.param_groups[0], validate=self.config.overlap, skip=not ok)

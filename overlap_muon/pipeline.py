@@ -71,7 +71,9 @@ class TestingSeam:
         timeline: when a list, ``(event, wave, time.perf_counter())`` records of launches, NS starts and waits.
         ns_wrap: when set, ``ns_wrap(ns, mats, kw)`` replaces each batched NS call ``ns(mats, kw)`` (count calls,
             inject a failure).
-        on_state: when set, called with each :class:`WaveState` at launch (tests take weakrefs of its tensors).
+        on_state: when set, called with each :class:`WaveState` at launch.
+        before_apply: when set, called at the start of each apply task, on its lane (CUDA: inside its stream, e.g.
+            ``torch.cuda._sleep`` to make a missing stream wait visible).
     """
 
     __test__ = False  # not a pytest class
@@ -80,6 +82,7 @@ class TestingSeam:
     timeline: list[tuple[str, int, float]] | None = None
     ns_wrap: Callable[..., list[Tensor]] | None = None
     on_state: Callable[["WaveState"], None] | None = None
+    before_apply: Callable[["WaveState"], None] | None = None
 
     def record(self, event: str, wave: int) -> None:
         if self.timeline is not None:
@@ -295,6 +298,8 @@ class WavePipeline:
             st.outs = st.packed = None
 
     def _apply_task(self, st: WaveState, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None) -> None:
+        if self.testing.before_apply is not None:
+            self.testing.before_apply(st)
         if not st.empty:
             with prof_range(wave_range_name(st.wave.index, "apply"), nvtx=self.config.nvtx):
                 for j, i in enumerate(st.items):
@@ -408,7 +413,7 @@ class WavePipeline:
             hyper = Hyper.of(group)
             flags = torch.tensor([1 if self.stale(pending[w.index], hyper) else 0 for w in waves], dtype=torch.uint8)
             if self.ctrl_group is not None:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+                self._agree(flags, pending)
             for w, f in zip(waves, flags.tolist()):
                 if f:
                     pending[w.index] = self.launch(w, hyper)
@@ -426,6 +431,28 @@ class WavePipeline:
                 self._pending.pop(k, None)
                 self._applied[k] = st
         return reruns
+
+    def _agree(self, flags: Tensor, pending: dict[int, WaveState]) -> None:
+        """MAX-all-reduce the stale flags over every rank (host tensors, gloo). A failure here (a dead or stalled
+        peer) usually fails the pending waves' exchanges too: report the first of those, which names the wave and
+        the exchange, else this one.
+
+        Raises:
+            RuntimeError: the agreement or a pending wave's exchange failed.
+        """
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+        except Exception as e:
+            with self._lock:
+                states = list(self._applied.values()) + sorted(pending.values(), key=lambda st: st.wave.index)
+            for st in states:
+                for h in st.handles():
+                    _wait(h, ())  # raises the wave's own error, chained
+            ranks = dist.get_process_group_ranks(self.ctrl_group)
+            raise RuntimeError(
+                f"OverlapMuon step(): agreeing on which waves to re-run failed on rank {dist.get_rank()} (all_reduce "
+                f"over the runtime's gloo control group, global ranks {ranks}): {e}"
+            ) from e
 
     def discard(self) -> None:
         """Forget every uncommitted wave (``zero_grad()``, a new backward before ``step()``, a skipped step).

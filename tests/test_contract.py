@@ -310,3 +310,46 @@ def test_ddp_weights_read_outside_their_module():
 
 def test_world_size_one_sanity():
     assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# max_grad_norm: the built-in clip, exact, keeping the overlap where clipping does not bite
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])
+def test_max_grad_norm_equals_clip_grad_norm(max_norm):
+    model, opt, ref, mu, aw = _pair(max_grad_norm=max_norm)
+    _loop(model, [opt][0], ref, [mu, aw],
+          between=lambda m, o, s: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm) if m is ref else None)
+    assert not _equal(model, ref)
+    bites = max_norm < 1
+    assert opt.stats["clipped_steps"] == (3 if bites else 0)
+    assert (opt.stats["reruns"] > 0) == bites  # no clipping: the speculative waves stand
+    opt.close()
+
+
+def test_max_grad_norm_rejects_plain_shards_on_a_domain_and_bad_values():
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        OverlapMuon(TinyNet(), max_grad_norm=-1.0)
+
+
+def _clip_2x2_body(rank, world, overlap):
+    torch.manual_seed(0)
+    model, mesh = build_dtensor_model(TinyNet(), 2, 2)
+    opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, overlap=overlap, max_grad_norm=0.05, **HP)
+    for s in range(3):
+        model(torch.randn(4, 12, generator=torch.Generator().manual_seed(s))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    out = [local(p).detach().clone() for p in model.parameters()], opt.stats["clipped_steps"]
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_max_grad_norm_fsdp_tp_2x2_overlap_equals_sync():
+    on = run_ranks(_clip_2x2_body, 4, True, timeout=150)
+    off = run_ranks(_clip_2x2_body, 4, False, timeout=150)
+    for (a, ca), (b, cb) in zip(on, off):
+        assert ca == cb == 3
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -49,6 +49,12 @@ def test_side_streams_bitwise_equal_torch_muon():
     assert all(torch.equal(a, b) for a, b in zip(ours, ours_sync))
 
 
+def test_inline_lanes_bitwise_equal_torch_muon():
+    """Side streams off (every lane task inline on the launching thread and stream): still torch.optim.Muon."""
+    ours, ref = _train(overlap=True, side_streams=False)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
 def test_batched_ns_on_gpu_matches_overlap_off():
     """Batched NS: on vs off equal (batched cuBLAS may differ from per-matrix calls; compared among themselves)."""
     a, _ = _train(overlap=True, batch_ns=True)
@@ -88,3 +94,89 @@ def test_two_ranks_share_one_gpu_over_gloo():
 
 def test_one_rank_over_nccl():
     assert all(run_ranks(_shared_gpu, 1, "nccl", timeout=120, backend="nccl"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2 on one GPU: no host sync in the overlapped step; FSDP2's all-gather streams wait for the update
+# ---------------------------------------------------------------------------------------------------------------
+class _TwoBlocks(nn.Module):
+    def __init__(self, d: int = 512) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, 4 * d, bias=False), nn.GELU(),
+                                                   nn.Linear(4 * d, d, bias=False)) for _ in range(2)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def _fsdp_model(d: int = 512):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _TwoBlocks(d).cuda()
+    mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("remat",))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, mesh
+
+
+def _fsdp_no_sync(rank, world):
+    model, mesh = _fsdp_model()
+    opt = OverlapMuon(model, device_mesh=mesh, **HP)
+    x = torch.randn(32, 512, device="cuda")
+    model(x).sum().backward()  # warm-up: FSDP2 lazy init, allocator, cuBLAS handles
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    opt.synchronize()
+    opt.close()
+    return True
+
+
+def test_fsdp2_overlap_step_has_no_host_sync():
+    """Backward (grad hooks, wave launches, the presence agreement) and step() never wait for the device."""
+    assert all(run_ranks(_fsdp_no_sync, 1, timeout=180, backend="nccl"))
+
+
+def _fsdp_race(rank, world, patch_streams):
+    import hooks.forward_wait as fw
+    import overlap_muon.optimizer as om
+    from overlap_muon.pipeline import TestingSeam
+
+    if patch_streams:  # the defect: only the current stream waits, FSDP2's copy-in stream does not
+        om.fsdp_param_streams = lambda module: []
+    outs = []
+    for overlap in (True, False):
+        model, mesh = _fsdp_model()
+        seam = TestingSeam(before_apply=lambda st: torch.cuda._sleep(200_000_000))  # ~0.1 s on the lane
+        opt = OverlapMuon(model, device_mesh=mesh, overlap=overlap, _testing=seam, **HP)
+        x = torch.randn(32, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        outs.append(model(x).detach().clone())  # reads the update through FSDP2's all-gather
+        opt.synchronize()
+        opt.close()
+    om.fsdp_param_streams = fw.fsdp_param_streams
+    return torch.equal(outs[0], outs[1])
+
+
+def test_fsdp2_all_gather_waits_for_the_update():
+    """A slow apply (``torch.cuda._sleep`` on its lane) must still land before FSDP2 all-gathers the shard: the
+    forward after an overlapped step equals the synchronous one. Without the fix (FSDP2's streams not waited on),
+    the same check fails: the all-gather copies the shard before the update."""
+    assert all(run_ranks(_fsdp_race, 1, False, timeout=180, backend="nccl"))
+    assert not all(run_ranks(_fsdp_race, 1, True, timeout=180, backend="nccl"))

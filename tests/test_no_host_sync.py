@@ -1,0 +1,111 @@
+"""What the CPU suite can prove of the CUDA path (issue: no host sync in backward, FSDP2's streams wait).
+
+1. Gradient presence is agreed on host flags: the tensors the check builds are CPU ``uint8`` and travel on a gloo
+   group, whatever the params' device, so the launch never waits for the GPU.
+2. A forward pre-hook makes FSDP2's all-gather copy-in and all-gather streams wait on the wave's apply event, not
+   only the current stream: FSDP2 copies the sharded params on its own stream, which waited on the current stream
+   once, in the root's pre-forward, before the per-module waits ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlap_muon.pipeline as pipeline_mod
+from overlap_muon import OverlapMuon
+from tests.dist_utils import run_ranks
+from tests.models import ADAMW_KW, HP, PlainShardNet, TinyNet, build_dtensor_model, plain_opt
+
+
+def _presence_body(rank, world):
+    seen = []
+    orig = pipeline_mod.dist.all_to_all_single
+
+    def spy(out, inp, *a, group=None, **k):
+        if inp.dtype == torch.uint8 and inp.numel() <= 64:  # the presence flags (the data travels as bf16 bytes)
+            seen.append((out.device.type, inp.device.type, dist.get_backend(group)))
+        return orig(out, inp, *a, group=group, **k)
+
+    pipeline_mod.dist.all_to_all_single = spy
+    try:
+        net = PlainShardNet(1, 2, 0, rank)
+        opt = plain_opt(net, 1, 2, 0, rank, overlap=True)
+        for s in range(2):
+            cs, _ = net.local_grads(s)
+            net(cs).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+    finally:
+        pipeline_mod.dist.all_to_all_single = orig
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_presence_check_builds_cpu_tensors_on_gloo():
+    for seen in run_ranks(_presence_body, 2, timeout=90):
+        assert seen and all(s == ("cpu", "cpu", "gloo") for s in seen), seen
+
+
+class _FakeEvent:
+    pass
+
+
+class _FakeStream:
+    def __init__(self) -> None:
+        self.waited: list = []
+
+    def wait_event(self, ev) -> None:
+        self.waited.append(ev)
+
+
+class _FakeHandle:
+    lane = "from_home"
+
+    def __init__(self) -> None:
+        self.event = _FakeEvent()
+
+    def wait_on_current_stream(self) -> None:  # the current stream's wait (CUDA); a no-op here
+        pass
+
+
+def test_wait_makes_every_given_stream_wait_on_the_event():
+    streams = [_FakeStream(), _FakeStream()]
+    h = _FakeHandle()
+    pipeline_mod._wait(h, streams)
+    assert [s.waited for s in streams] == [[h.event], [h.event]]
+
+
+def _fsdp_streams_body(rank, world):
+    """Forward pre-hooks of FSDP2 modules hand FSDP2's all-gather streams to the wait."""
+    torch.manual_seed(0)
+    model, mesh = build_dtensor_model(TinyNet(), 1, 1)
+    opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, overlap=True, **HP)
+    calls = []
+    orig = opt._pipeline.wait
+
+    def spy(waves, streams=()):
+        calls.append(len(streams))
+        return orig(waves, streams)
+
+    opt._pipeline.wait = spy
+    x = torch.randn(4, 12)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x)
+    opt.close()
+    ctx = model._get_fsdp_state()._comm_ctx
+    return calls, [type(s).__name__ for s in (ctx.all_gather_copy_in_stream, ctx.all_gather_stream)]
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_module_waits_pass_fsdp_streams():
+    calls, kinds = run_ranks(_fsdp_streams_body, 1, timeout=90)[0]
+    # The root FSDP2 module (it all-gathers every param of TinyNet) passes its copy-in and all-gather streams once
+    # FSDP2 has created them (after its lazy init in the first forward); its children are not FSDP2 modules.
+    assert calls.count(2) >= 2 and set(calls) <= {0, 2}, calls
+    assert kinds == ["Stream", "Stream"]

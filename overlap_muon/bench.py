@@ -117,7 +117,7 @@ from torch import Tensor, nn
 from scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_homes
 
 from ._spawn import spawn_ranks
-from .domain import block_shape
+from .domain import block_shape, local_tensor
 from .ns import SYRK_BLOCK, zeropower
 from .optimizer import OverlapMuon
 from .team_ns import team_zeropower
@@ -125,7 +125,7 @@ from .team_ns import team_zeropower
 __all__ = ["main", "CASES", "expected_ratio_keys", "machine_info"]
 
 #: Case names, in the order a full run executes them.
-CASES: tuple[str, ...] = ("step", "overhead", "ns", "comm", "overlap", "balance", "surplus")
+CASES: tuple[str, ...] = ("step", "overhead", "ns", "comm", "overlap", "balance", "surplus", "memory")
 
 #: Muon hyper-parameters of every case (``torch.optim.Muon``'s defaults except a visible learning rate).
 _HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -196,6 +196,9 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
         return tuple(f"{f.name}_S{s}_{b}_max_over_mean" for f in _FAMILIES for s in _DOMAINS for b in ("lpt", "rr"))
     if case == "surplus":
         return ("single_over_team_world2", "sim_70b_idle_exposed_fraction", "sim_70b_best_exposed_fraction")
+    if case == "memory":
+        return tuple(f"{v}_peak_over_min_world{w}" for w in (1, 2) for v in ("overlap", "sync", "duplicated")) + (
+            "overlap_peak_over_torch_muon_world1",)
     raise ValueError(f"unknown bench case {case!r}; known: {', '.join(CASES)}")
 
 
@@ -1244,6 +1247,130 @@ def _case_surplus(o: _Options) -> _CaseResult:
     )
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Case: memory
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _peak_bytes(fn: Callable[[], None]) -> int:
+    """Peak bytes of tensor storage created while ``fn`` runs and alive at the same time (this thread).
+
+    A ``TorchDispatchMode`` sees every op; a storage returned by an op that did not receive it (not in place) is
+    new: its bytes count from then until the storage is freed (``weakref.finalize`` on the storage fires when the
+    last tensor or view of it dies). What existed before (params, gradients, optimizer state) is not counted.
+    Dispatch modes are per thread, so run the optimizer with ``side_streams=False`` (lanes inline).
+    """
+    import weakref as _weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    state = {"live": 0, "peak": 0}
+    lock = threading.Lock()
+
+    def freed(n: int) -> None:
+        with lock:
+            state["live"] -= n
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)}
+            for x in tree_leaves(out):
+                if isinstance(x, Tensor) and x.device.type == "cpu":
+                    st = x.untyped_storage()
+                    ptr, n = st.data_ptr(), st.nbytes()
+                    if ptr and ptr not in ins and not getattr(st, "_counted", False):
+                        st._counted = True
+                        _weakref.finalize(st, freed, n)
+                        with lock:
+                            state["live"] += n
+                            state["peak"] = max(state["peak"], state["live"])
+            return out
+
+    with _Count():
+        fn()
+    return state["peak"]
+
+
+def _min_wave_bytes(opt: OverlapMuon, rank_flat: int) -> int:
+    """The floor of what a wave must hold on this rank: its bf16 shards out and back, and the bf16 full matrices
+    homed here, assembled and orthogonalized (duplicated mode: every matrix of the wave). Max over the waves."""
+    best = 0
+    for w in opt.waves:
+        total = 0
+        for i in w.params:
+            m = opt._muon[i]
+            shard = local_tensor(m.param).numel()
+            full = m.full_shape[0] * m.full_shape[1]
+            home_here = opt.config.mode == "duplicated" or w.homes[i] == rank_flat
+            if opt.domain.size == 1:  # no exchange: the bf16 NS input and output only
+                total += 2 * 2 * full
+            else:
+                total += 2 * 2 * shard + (2 * 2 * full if home_here else 0)
+        best = max(best, total)
+    return best
+
+
+def _memory_rank(rank: int, world: int, layers: int, d: int) -> dict[str, Any]:
+    R, T, g, t = 1, world, 0, rank
+    specs = [(full, pd) for _ in range(layers) for _, full, pd in _transformer_layer(d)]
+    tp, rm = _domain_groups(R, T, g, t) if world > 1 else (None, None)
+    out: dict[str, Any] = {}
+    variants = {"overlap": dict(overlap=True), "sync": dict(overlap=False),
+                "duplicated": dict(overlap=False, mode="duplicated")}
+    for name, kw in variants.items():
+        net = _shard_net(specs, R, T, g, t, seed=1)
+        grads = [p.grad for p in net.parameters()]
+        opt = OverlapMuon(net, muon_filter=_muon_2d, tp_group=tp, remat_group=rm, side_streams=False, **_HP, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # manual gradients: no forward covers them (the fallback warning)
+            def one_step() -> None:
+                for p, gr in zip(net.parameters(), grads):
+                    p.grad = gr
+                opt.step()
+                opt.synchronize()
+
+            one_step()  # warm-up: plans, route caches, lane threads, allocator
+            out[name] = _peak_bytes(one_step)
+        out[f"{name}_min"] = _min_wave_bytes(opt, rank)
+        opt.close()
+    if world == 1:
+        net = _shard_net(specs, R, T, g, t, seed=1)
+        mu = torch.optim.Muon(net.parameters(), **_HP)
+        mu.step()
+        out["torch_muon"] = _peak_bytes(mu.step)
+    out["min"] = {k: out.pop(f"{k}_min") for k in variants}
+    # Speculative waves keep their bf16 update blocks until step() commits them: all of them at once in overlap mode.
+    out["held_updates"] = 2 * sum(local_tensor(p).numel() for p in net.parameters())
+    return out
+
+
+def _mib(x: int | None) -> str:
+    return "n/a" if x is None else f"{x / 2**20:.2f} MiB"
+
+
+def _case_memory(o: _Options) -> _CaseResult:
+    layers, d = (2, 64) if o.quick else (4, 256)
+    ratios: dict[str, float | None] = {}
+    lines = [f"{layers} layers d {d} ({6 * layers} matrices): peak bytes a step allocates beyond params, gradients "
+             "and optimizer state (rank 0; storages counted by a dispatch mode, lanes inline)"]
+    det: dict[str, Any] = {"layers": layers, "d_model": d}
+    for world in (1, 2):
+        r = _run_ranks(_memory_rank, world, layers, d, timeout_s=o.timeout_s)[0]
+        det[f"world{world}"] = r
+        for v in ("overlap", "sync", "duplicated"):
+            ratios[f"{v}_peak_over_min_world{world}"] = _ratio(r[v], r["min"][v])
+        parts = "  ".join(f"{v} {_mib(r[v])} (min {_mib(r['min'][v])})" for v in ("overlap", "sync", "duplicated"))
+        lines.append(f"world {world}: {parts}")
+        lines.append(f"         overlap holds every wave's bf16 update blocks until step() commits "
+                     f"({_mib(r['held_updates'])}): floor {_mib(r['min']['overlap'] + r['held_updates'])}")
+        if world == 1:
+            ratios["overlap_peak_over_torch_muon_world1"] = _ratio(r["overlap"], r["torch_muon"])
+            lines.append(f"         torch.optim.Muon on the same shards {_mib(r['torch_muon'])}")
+    return _CaseResult("optimizer memory: peak per step vs the one-wave minimum", ratios, lines, det)
+
+
 _RUNNERS: dict[str, Callable[[_Options], _CaseResult]] = {
     "step": _case_step,
     "overhead": _case_overhead,
@@ -1252,6 +1379,7 @@ _RUNNERS: dict[str, Callable[[_Options], _CaseResult]] = {
     "overlap": _case_overlap,
     "balance": _case_balance,
     "surplus": _case_surplus,
+    "memory": _case_memory,
 }
 
 

@@ -7,7 +7,8 @@ ops are elementwise, DESIGN.md section 1):
 =============================  ==============================================================
 torch.optim.Muon               here
 =============================  ==============================================================
-``buf.lerp_(grad, 1 - mu)``    :func:`momentum_update` (out of place: waves are speculative)
+``buf.lerp_(grad, 1 - mu)``    :func:`momentum_update` (out of place, for the speculative NS input) and
+                               :func:`momentum_update_` (in place, when ``step()`` commits)
 ``grad.lerp(buf, mu)``         :func:`ns_input` (Nesterov; the bf16 cast of ``zeropower``)
 ``param.mul_(1 - lr * wd)``    :func:`apply_update`
 ``param.add_(O, alpha=-lr')``  :func:`apply_update` (``lr'`` = ``_adjust_lr`` on the FULL shape)
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from .ns import _schedule, adjusted_lr
 
-__all__ = ["check_hyperparameters", "momentum_update", "ns_input", "apply_update"]
+__all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update"]
 
 
 def check_hyperparameters(
@@ -67,6 +68,12 @@ def momentum_update(buf: Tensor, grad: Tensor, momentum: float) -> Tensor:
         ``buf`` (same kernel). Committed into ``buf`` only by ``step()`` (``buf.copy_(new)``).
     """
     return buf.lerp(grad, 1 - momentum)
+
+
+def momentum_update_(buf: Tensor, grad: Tensor, momentum: float) -> None:
+    """Commit the new momentum: ``buf.lerp_(grad, 1 - momentum)``, torch's own op (the same kernel as
+    :func:`momentum_update`, so the committed buffer is bitwise the value the NS input was built from)."""
+    buf.lerp_(grad, 1 - momentum)
 
 
 def ns_input(grad: Tensor, new_buf: Tensor, momentum: float, nesterov: bool) -> Tensor:

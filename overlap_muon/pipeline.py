@@ -55,7 +55,7 @@ from .config import OverlapMuonConfig
 from .domain import Domain, MuonParam, local_tensor
 from .lanes import LaneHandle, Lanes
 from .layer_sharded_a2a import all_gather_full, from_homes, local_shard, to_homes
-from .muon_math import apply_update, momentum_update, ns_input
+from .muon_math import apply_update, momentum_update, momentum_update_, ns_input
 from .ns import zeropower
 from .profiling import prof_range, wave_range_name
 
@@ -120,12 +120,10 @@ class WaveState:
     """Param indices of the wave that have a gradient on this rank, in wave order."""
     hyper: Hyper
     grads: list[Tensor] | None
-    """The gradients read, as ``param.grad`` holds them (DTensor or shard; set by ``launch``; released after the
-    apply)."""
+    """The gradients read, as ``param.grad`` holds them (DTensor or shard; set by ``launch``; read again by the
+    apply, which recomputes the new momentum in place; released after it)."""
     versions: list[tuple[int, int]]
     """Version counters of each gradient and of its local shard at launch; ``commit`` compares them."""
-    new_bufs: list[Tensor] | None = None
-    """Shards, param dtype: the new momentum, out of place (``to_home``; copied into the buffer by the apply)."""
     packed: list[Tensor] | None = None
     """Shards, bf16: the NS inputs sent to the homes (``to_home``; released after ``from_home``)."""
     fulls: list[Tensor] | None = None
@@ -156,7 +154,7 @@ class WaveState:
 
     def release(self) -> None:
         """Drop every tensor the wave holds."""
-        self.grads = self.new_bufs = self.packed = self.fulls = self.outs = self.updates = None
+        self.grads = self.packed = self.fulls = self.outs = self.updates = None
 
 
 class WavePipeline:
@@ -250,8 +248,10 @@ class WavePipeline:
         with prof_range(wave_range_name(k, "pack"), nvtx=self.config.nvtx):
             bufs = [local_tensor(self.state[m.param]["momentum_buffer"]) for m in mps]
             grads = [local_tensor(g) for g in st.grads]
-            st.new_bufs = [momentum_update(b, g, h.momentum) for b, g in zip(bufs, grads)]
-            st.packed = [ns_input(g, nb, h.momentum, h.nesterov) for g, nb in zip(grads, st.new_bufs)]
+            # The new momentum lives only as long as the NS input needs it; the apply recomputes it in place
+            # (the same op on the same values: bitwise the same), so a speculative wave holds no momentum copy.
+            st.packed = [ns_input(g, momentum_update(b, g, h.momentum), h.momentum, h.nesterov)
+                         for b, g in zip(bufs, grads)]
         pds, shapes = [m.partition_dim for m in mps], [m.full_shape for m in mps]
         with prof_range(wave_range_name(k, "a2a_to_home"), nvtx=self.config.nvtx):
             if self.config.mode == "duplicated":
@@ -304,7 +304,8 @@ class WavePipeline:
             with prof_range(wave_range_name(st.wave.index, "apply"), nvtx=self.config.nvtx):
                 for j, i in enumerate(st.items):
                     m = self.muon[i]
-                    local_tensor(self.state[m.param]["momentum_buffer"]).copy_(st.new_bufs[j])
+                    buf = local_tensor(self.state[m.param]["momentum_buffer"])
+                    momentum_update_(buf, local_tensor(st.grads[j]), st.hyper.momentum)
                     apply_update(local_tensor(m.param), st.updates[j], lr, weight_decay, adjust_lr_fn, m.full_shape)
         if self._eager_release:
             st.release()

@@ -191,7 +191,8 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
         return ("fused_bytes_over_ideal", "two_stage_bytes_over_ideal", "duplicated_bytes_over_ideal",
                 "fused_default_bytes_over_ideal")
     if case == "overlap":
-        return tuple(f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_"))
+        return tuple(f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_")) + (
+            "exposed_fraction_max_grad_norm_world1", "exposed_fraction_user_clip_world1")
     if case == "balance":
         return tuple(f"{f.name}_S{s}_{b}_max_over_mean" for f in _FAMILIES for s in _DOMAINS for b in ("lpt", "rr"))
     if case == "surplus":
@@ -917,6 +918,10 @@ def _link_figures(elems: int, wave_bytes: int, world: int, group: Any, repeats: 
     return out
 
 
+#: A clipping bound every gradient norm of the overlap case exceeds, so clipping bites on every step.
+_TINY_NORM = 1e-3
+
+
 def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds: int, chunk: int,
                   trace_path: str | None) -> dict[str, Any]:
     """Interleaved rounds of ``chunk`` iterations per variant (none / off / on) plus one NS sample per round, so
@@ -925,11 +930,15 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
     group = dist.new_group(list(range(world))) if world > 1 else None
     x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(5))
     variants: dict[str, tuple[nn.Module, OverlapMuon | None]] = {}
-    for name in ("none", "off", "on"):
+    # on_clip: max_grad_norm biting every step (world 1: plain TP shards cannot be clipped by the runtime);
+    # on_user_clip: torch's clip_grad_norm_ between backward and step(), biting: every wave re-runs in step().
+    names = ("none", "off", "on") + (("on_clip", "on_user_clip") if world == 1 else ())
+    for name in names:
         net = _tp_stack(d, blocks, T, t, group)
         opt = None
         if name != "none":
-            opt = OverlapMuon(net, tp_group=group, overlap=(name == "on"), muon_filter=_muon_2d, **_HP)
+            opt = OverlapMuon(net, tp_group=group, overlap=(name != "off"), muon_filter=_muon_2d,
+                              max_grad_norm=_TINY_NORM if name == "on_clip" else None, **_HP)
         variants[name] = (net, opt)
     fwd_bwd: dict[str, list[float]] = {"forward": [], "backward": []}
 
@@ -943,6 +952,8 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
             loss.backward()
         t2 = time.perf_counter()
         with torch.profiler.record_function("## optimizer ##"):
+            if name == "on_user_clip":
+                torch.nn.utils.clip_grad_norm_(net.parameters(), _TINY_NORM)
             if opt is not None:
                 opt.step()
                 opt.zero_grad()
@@ -969,11 +980,12 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
         shapes[tuple(p.full_shape)] = shapes.get(tuple(p.full_shape), 0) + 1
     names = list(variants) + ["ns"]
     times: dict[str, list[float]] = {n: [] for n in names}
-    for n in names[:3]:  # warm-up chunk
+    for n in names[:-1]:  # warm-up chunk
         run_chunk(n, False)
     _ns_sample(shapes)
     for r in range(rounds):
-        for n in names[r % 4:] + names[: r % 4]:
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
             times[n].append(run_chunk(n, True) if n != "ns" else _ns_sample(shapes))
     ns_time = times.pop("ns")
     flops = sum(c * ns_flops(s) for s, c in shapes.items())
@@ -1062,8 +1074,14 @@ def _case_overlap(o: _Options) -> _CaseResult:
             trace = os.path.abspath(os.path.join(o.trace_dir, "bench_overlap_w1_trace.json"))
         speedup = _two_thread_speedup()
         res = _run_ranks(_overlap_rank, world, d, blocks, tokens, rounds, chunk, trace, timeout_s=o.timeout_s)
-        med = {n: _median(_max_over_ranks([r["times"][n] for r in res])) for n in ("none", "off", "on")}
+        med = {n: _median(_max_over_ranks([r["times"][n] for r in res])) for n in res[0]["times"]}
         frac = _ratio(med["on"] - med["none"], med["off"] - med["none"])
+        clip_lines = []
+        for v, key in (("on_clip", "max_grad_norm"), ("on_user_clip", "user_clip")):
+            if v in med:
+                ratios[f"exposed_fraction_{key}_world{world}"] = _ratio(med[v] - med["none"], med["off"] - med["none"])
+                clip_lines.append(f"         {key} biting every step: {_ms(med[v]).strip()} -> exposed fraction "
+                                  f"{ratios[f'exposed_fraction_{key}_world{world}']:.3f}")
         sim = _simulate_exposed(d, blocks, world, res[0], speedup)
         sim_frac = sim["exposed_fraction"] if sim else None
         ratios[f"exposed_fraction_world{world}"] = frac
@@ -1082,6 +1100,7 @@ def _case_overlap(o: _Options) -> _CaseResult:
         else:
             lines.append(f"         exposed fraction measured {frac if frac is None else round(frac, 3)}; "
                          "simulator unavailable")
+        lines += clip_lines
         if res[0].get("trace"):
             entry["trace"] = res[0]["trace"]
             entry["timeline"] = _draw(res[0]["trace"], os.path.join(o.trace_dir, "bench_overlap_w1_timeline.png"))

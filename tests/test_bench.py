@@ -1,6 +1,6 @@
 """The benchmark suite runs from a clean checkout and reports what it promises; no speed is asserted.
 
-One quick run of a subset of cases (``step``, ``ns``, ``comm``, ``balance``, ``surplus``) is shared by the tests
+One quick run of a subset of cases (``step``, ``ns``, ``comm``, ``balance``, ``surplus``, ``memory``) is shared by the tests
 below; the ``comm`` figures are exact byte counts, so they are compared exactly.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 from overlap_muon import bench
 
-_SUBSET = ("step", "ns", "comm", "balance", "surplus")
+_SUBSET = ("step", "ns", "comm", "balance", "surplus", "memory")
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +129,14 @@ def test_ns_and_surplus_report_exactness_with_their_speed(quick_report):
     det = quick_report["cases"]["surplus"]["details"]
     assert det["world"] == 2 and (det["max_abs_diff"] == 0.0) == det["bitwise"]
     assert set(det["sim"]) == {f"{p}_dp{d}" for p in ("idle", "duplicate", "team", "auto") for d in (1, 4)}
+
+
+@pytest.mark.timeout(120)
+def test_memory_case_counts_the_optimizer_only(quick_report):
+    """The memory figures are byte counts of storages the step creates: the synchronous step holds at least one
+    wave's bf16 NS input and output, and never a multiple of the whole model beyond it."""
+    det = quick_report["cases"]["memory"]["details"]
+    for world in (1, 2):
+        r = det[f"world{world}"]
+        for v in ("overlap", "sync", "duplicated"):
+            assert r[v] > 0 and r["min"][v] > 0, (world, v, r)

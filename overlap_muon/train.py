@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="overlap_muon toggles (environment): OVERLAP_MUON_MODE=layer_sharded|duplicated, OVERLAP_MUON_OVERLAP, "
         "OVERLAP_MUON_FUSED_A2A, OVERLAP_MUON_BATCH_NS, OVERLAP_MUON_SIDE_STREAMS, OVERLAP_MUON_NVTX (1|0), "
-        "OVERLAP_MUON_BALANCE=lpt|round_robin, OVERLAP_MUON_WAVE_SLOTS=N, OVERLAP_MUON_PG_TIMEOUT_S=seconds.",
+        "OVERLAP_MUON_BALANCE=lpt|round_robin, OVERLAP_MUON_WAVE_SLOTS=N, OVERLAP_MUON_PG_TIMEOUT_S=seconds, "
+        "OVERLAP_MUON_READINESS_ORDER=reverse|observed, OVERLAP_MUON_SKIP_NONFINITE, OVERLAP_MUON_CHECK_GRAD_PRESENCE, "
+        "OVERLAP_MUON_SYRK (1|0), OVERLAP_MUON_SURPLUS=idle|duplicate|team|auto (see the README).",
     )
     a = p.add_argument
     a("--optimizer", choices=_OPTIMIZERS, default="overlap_muon", help="default: %(default)s")
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--weight-decay", type=float, default=0.0, help="decoupled weight decay, both (default: %(default)s)")
     a("--momentum", type=float, default=0.95, help="Muon momentum (default: %(default)s)")
+    a("--max-grad-norm", type=float, default=None,
+      help="clip all gradients by their global norm before each step (OverlapMuon: its max_grad_norm; the other "
+           "optimizers: the same arithmetic as clip_grad_norm_); default: no clipping")
     a("--adjust-lr-fn", choices=("original", "match_rms_adamw"), default=None, help="Muon lr scaling by shape")
     a("--warmup", type=int, default=10, help="linear warmup steps (default: %(default)s)")
     a("--cooldown", type=float, default=0.3, help="fraction of steps of linear decay to 0 (default: %(default)s)")
@@ -148,6 +153,8 @@ def _check_args(args: argparse.Namespace, world: int) -> ModelConfig:
         raise _ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     if args.adamw_lr is None:
         args.adamw_lr = _ADAMW_LR_ALONE if args.optimizer == "adamw" else _ADAMW_LR_WITH_MUON
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        raise _ConfigError(f"--max-grad-norm must be positive, got {args.max_grad_norm}")
     for name in ("lr", "adamw_lr"):
         if not getattr(args, name) > 0:
             raise _ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -269,7 +276,8 @@ def _build_optimizer(args: argparse.Namespace, model: GPT, mesh):
         return _TorchMuonPair(model, args)
     from overlap_muon import OverlapMuon
 
-    return OverlapMuon(model, **_muon_kwargs(args), adamw_kwargs=_adamw_kwargs(args), device_mesh=mesh)
+    return OverlapMuon(model, **_muon_kwargs(args), adamw_kwargs=_adamw_kwargs(args), device_mesh=mesh,
+                       max_grad_norm=args.max_grad_norm)
 
 
 def _sync(opt) -> None:
@@ -563,6 +571,11 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
                 (loss / args.grad_accum if args.grad_accum > 1 else loss).backward()
             loss_sum += loss.detach().double()
         with torch.profiler.record_function("## optimizer ##"):
+            if args.max_grad_norm is not None and args.optimizer != "overlap_muon":
+                from overlap_muon.clip import clip_grads_by_total_norm_
+
+                clip_grads_by_total_norm_([p.grad for p in model.parameters() if p.grad is not None],
+                                          args.max_grad_norm)
             opt.step()
             opt.zero_grad()
         if remat_group is not None:

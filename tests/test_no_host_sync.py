@@ -109,3 +109,19 @@ def test_fsdp_module_waits_pass_fsdp_streams():
     # FSDP2 has created them (after its lazy init in the first forward); its children are not FSDP2 modules.
     assert calls.count(2) >= 2 and set(calls) <= {0, 2}, calls
     assert kinds == ["Stream", "Stream"]
+
+
+@pytest.mark.timeout(120)
+def test_gpu_check_script_runs_on_cpu(tmp_path):
+    """``tests/gpu_check.py`` (what ``gpu_check.sh`` runs on a GPU) runs its code paths on tiny CPU shapes, so the
+    GPU run does not fail on a typo."""
+    import json
+    import subprocess
+    import sys
+
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "tests/gpu_check.py", "--device", "cpu", "--small", "--skip-tests",
+                           "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert len(report["ns"]) == 2 and report["overlap"]["step_s"]["on"] > 0

@@ -242,3 +242,19 @@ def test_data_is_deterministic_and_validated(tmp_path):
     small.write_text("abc\n" * 10)
     with pytest.raises(DataError, match="--seq-len"):
         load_file(str(small)).check_window(32)
+
+
+def test_max_grad_norm_overlap_equals_sync(tmp_path):
+    """``--max-grad-norm``: the built-in clip (biting here: the bound is tiny) keeps overlap mode bitwise equal to
+    the synchronous step, at TP 2 and at TP 1 x remat 2."""
+    data = _text_file(tmp_path)
+    configs = []
+    for layout in (["--tp", "2"], ["--tp", "1"]):
+        argv = TINY + ["--data", data, "--max-grad-norm", "0.05"] + layout
+        configs += [({}, argv), ({"OVERLAP_MUON_OVERLAP": "0"}, argv)]
+    res = run_ranks(_run_configs, 2, configs, timeout=120)
+    runs = res[0]
+    assert _figures(runs[0]) == _figures(runs[1]), "TP 2: overlap differs from synchronous with --max-grad-norm"
+    assert _figures(runs[2]) == _figures(runs[3]), "remat 2: overlap differs from synchronous with --max-grad-norm"
+    unclipped = res[0][0]["losses"]
+    assert all(math.isfinite(x) for x in unclipped)

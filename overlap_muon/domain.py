@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from scheduler.chunks import chunk_sizes
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -30,24 +32,6 @@ __all__ = [
     "Domain", "MuonParam", "chunk_sizes", "chunk_offsets", "block", "block_shape", "local_tensor", "discover_layouts",
     "describe_param",
 ]
-
-
-def chunk_sizes(n: int, parts: int) -> list[int]:
-    """Sizes of ``torch.chunk(x, parts)`` along a dim of length ``n``, padded with zeros to ``parts`` entries.
-
-    This is the split rule of DTensor ``Shard`` placements and FSDP2 ``fully_shard``: blocks of
-    ``ceil(n / parts)``, the last ones partial or empty. E.g. ``chunk_sizes(5, 4) == [2, 2, 1, 0]``.
-    """
-    if parts <= 0:
-        raise ValueError(f"parts must be positive, got {parts}")
-    c = -(-n // parts) if n > 0 else 0
-    out = []
-    left = n
-    for _ in range(parts):
-        s = min(c, left)
-        out.append(s)
-        left -= s
-    return out
 
 
 def chunk_offsets(n: int, parts: int) -> list[int]:

@@ -68,6 +68,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from .chunks import chunk_sizes
 from .cost import _check_shape, ns_flops
 from .homes import _check_num_ranks
 
@@ -176,14 +177,7 @@ def team_row_counts(m: int, k: int) -> list[int]:
         raise ValueError(f"rows must be an int >= 0, got {m!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"team size must be an int >= 1, got {k!r}")
-    c = -(-m // k) if m else 0
-    out = []
-    left = m
-    for _ in range(k):
-        take = min(c, left)
-        out.append(take)
-        left -= take
-    return out
+    return chunk_sizes(m, k)
 
 
 def _link_s(intra: float, inter: float, cm: SurplusCostModel) -> float:

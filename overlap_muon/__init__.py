@@ -3,5 +3,9 @@
 from .config import OverlapMuonConfig, resolve_config
 from .ns import adjusted_lr, ns_flops, zeropower
 from .optimizer import OverlapMuon
+from .split import GateUpSplit, HeadSplit, QKVSplit, RowSplit
 
-__all__ = ["OverlapMuon", "OverlapMuonConfig", "resolve_config", "zeropower", "ns_flops", "adjusted_lr"]
+__all__ = [
+    "OverlapMuon", "OverlapMuonConfig", "resolve_config", "zeropower", "ns_flops", "adjusted_lr", "RowSplit", "QKVSplit",
+    "GateUpSplit", "HeadSplit",
+]

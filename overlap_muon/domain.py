@@ -202,6 +202,8 @@ class MuonParam:
     param: Tensor  #: nn.Parameter, DTensor or plain; its local shard is ``local_tensor(param)``
     full_shape: tuple[int, int]  #: (P, Q), the logical shape NS and the lr ratio see
     partition_dim: int | None  #: TP split: 0, 1 or None (DESIGN.md section 2)
+    parts: list[list[int]] | None = None  #: row sets orthogonalized as separate matrices (``overlap_muon.split``)
+    runs: tuple = ()  #: ``(start, stop, lr shape)`` runs of the local rows (``overlap_muon.split.apply_runs``)
 
 
 def discover_layouts(

@@ -35,10 +35,11 @@ from scheduler.waves import Wave
 
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
-from .domain import Domain, describe_param, discover_layouts, local_tensor, my_coords
+from .domain import Domain, block, describe_param, discover_layouts, local_tensor, my_coords
 from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
 from .pipeline import Hyper, TestingSeam, WavePipeline
+from .split import SplitArg, apply_runs, resolve_split
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
 
 __all__ = ["OverlapMuon"]
@@ -83,6 +84,9 @@ class OverlapMuon(torch.optim.Optimizer):
             ``step()`` would, keeping the overlap on steps where clipping does not bite ([Note: clipping and
             speculative waves] in ``overlap_muon/clip.py``); ``last_grad_norm`` holds the norm before clipping.
             Needs DTensor params or one process (a plain-tensor shard cannot tell which peers hold copies).
+        split: fused weights orthogonalized as their parts (split QKV, fused gate/up, per-head blocks): a mapping
+            from param names (``fnmatch`` patterns) to a :class:`~overlap_muon.split.RowSplit`, or a callable
+            ``(name, param) -> RowSplit | None``; equal to ``torch.optim.Muon`` on each part as its own param.
         muon_filter: ``(name, param) -> bool`` picking Muon params; default: 2-D weights of ``nn.Linear``.
         device_mesh: a 2-D ``DeviceMesh`` with dims ``("remat", "tp")``, or 1-D (dim named ``"tp"``: TP only,
             else remat only), over which the Muon params are DTensors.
@@ -112,6 +116,7 @@ class OverlapMuon(torch.optim.Optimizer):
         eps: float = 1e-7,
         adjust_lr_fn: str | None = None,
         max_grad_norm: float | None = None,
+        split: SplitArg = None,
         adamw_kwargs: dict[str, Any] | None = None,
         muon_filter: Callable[[str, Tensor], bool] | None = None,
         device_mesh: Any = None,
@@ -155,6 +160,11 @@ class OverlapMuon(torch.optim.Optimizer):
         errors += [mesh_err] if mesh_err else []
         described = [describe_param(i, n, p, device_mesh, R, T, g, t) for i, (n, p) in enumerate(muon_named)]
         self._muon = [mp for mp, err in described if mp is not None]
+        for mp in self._muon:
+            mp.parts, err = resolve_split(split, mp.name, mp.param, mp.full_shape)
+            row0, rows, _, _ = block(mp.full_shape, mp.partition_dim, R, T, g, t)
+            mp.runs = apply_runs(mp.parts, mp.full_shape, row0, rows)
+            errors += [err] if err else []
         if max_grad_norm is not None and R * T > 1 and any(not isinstance(m.param, DTensor) for m in self._muon):
             errors.append("max_grad_norm needs DTensor params on a multi-rank domain (a plain shard's norm cannot "
                           "be reduced without knowing which peers hold copies); clip the gradients yourself")
@@ -194,7 +204,8 @@ class OverlapMuon(torch.optim.Optimizer):
                                       ctrl, self._testing)
 
         # ---- plan and hooks ----------------------------------------------------------------------------------
-        self._costs = [float(ns_flops(m.full_shape, ns_steps)) for m in self._muon]
+        self._costs = [float(sum(ns_flops((len(r), m.full_shape[1]), ns_steps) for r in m.parts) if m.parts
+                             else ns_flops(m.full_shape, ns_steps)) for m in self._muon]
         self._recorder = ReadinessRecorder(len(self._muon)) if self.config.readiness_order == "observed" else None
         self._plan(list(reversed(range(len(self._muon)))))
         self._accumulating = False
@@ -203,7 +214,9 @@ class OverlapMuon(torch.optim.Optimizer):
         self._model_ref = weakref.ref(model)
         self._handles: list[Any] = []
         self._tracker: GradReadyTracker | None = None
-        self._covered: set[int] = set()  # Muon params some forward wait has covered (recorded in the first step)
+        self._covered: set[int] = set()  # Muon params a forward wait covered, recorded until coverage is decided
+        self._forward_ran = False  # the model's forward ran since the last step() (set by a root pre-hook)
+        self._coverage_decided = False
         self._module_params: dict[nn.Module, set[int]] = {}
         if self.config.overlap and self._muon:
             self._tracker = GradReadyTracker([m.param for m in self._muon], weak_callback(self._on_ready),
@@ -270,6 +283,10 @@ class OverlapMuon(torch.optim.Optimizer):
         module's forward reads (``hooks.params_read_by_module``)."""
         self._module_params = params_read_by_module(model, {id(m.param): m.index for m in self._muon})
         self._handles += register_forward_waits(list(self._module_params), weak_callback(self._wait_module))
+        self._handles.append(model.register_forward_pre_hook(weak_callback(self._saw_forward)))
+
+    def _saw_forward(self, *_: Any) -> None:
+        self._forward_ran = True
 
     # ------------------------------------------------------------------------------------------------------
     # hooks -> dispatcher -> pipeline; forward waits -> pipeline
@@ -305,7 +322,7 @@ class OverlapMuon(torch.optim.Optimizer):
             for other in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", ()):
                 mods.extend(getattr(other, "_modules", ()))
         indices = {i for m in mods for i in self._module_params.get(m, ())}
-        if self._step_count == 0:
+        if not self._coverage_decided:
             self._covered |= indices
         self._pipeline.wait(self._waves_of(indices), streams=fsdp_param_streams(module))
 
@@ -313,9 +330,10 @@ class OverlapMuon(torch.optim.Optimizer):
         self.synchronize()
 
     def _cover_unwaited(self) -> None:
-        """After the first step: Muon params that got a gradient although no forward wait ran for them are read
-        outside their module's forward (e.g. ``F.linear(x, self.lin.weight)`` in a parent); wait for them at the
+        """After the first step whose gradients came from a forward of the model: Muon params that got a gradient
+        although no forward wait ran for them are read outside their module's forward (e.g. ``F.linear(x, self.lin.weight)`` in a parent); wait for them at the
         root module's forward from now on, and say how to give a precise wait point."""
+        self._coverage_decided = True
         model = self._model_ref()
         if not self.config.overlap or model is None:
             return
@@ -375,7 +393,7 @@ class OverlapMuon(torch.optim.Optimizer):
             )
         if self._adamw is not None and ok:
             self._adamw.step()
-        if self._step_count == 0:
+        if not self._coverage_decided and self._forward_ran:
             self._cover_unwaited()
             if self._recorder is not None:
                 self._adopt_observed_order()

@@ -58,6 +58,7 @@ from .layer_sharded_a2a import all_gather_full, from_homes, local_shard, to_home
 from .muon_math import apply_update, momentum_update, momentum_update_, ns_input
 from .ns import zeropower
 from .profiling import prof_range, wave_range_name
+from .split import split_ns
 
 __all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam"]
 
@@ -272,8 +273,10 @@ class WavePipeline:
         h = st.hyper
         kw = dict(ns_coefficients=h.ns_coefficients, ns_steps=h.ns_steps, eps=h.eps, syrk=self.config.syrk)
         with prof_range(wave_range_name(st.wave.index, "ns"), nvtx=self.config.nvtx):
-            fn = self._ns_many
-            st.outs = self.testing.ns_wrap(fn, st.fulls, kw) if self.testing.ns_wrap else fn(st.fulls, kw)
+            wrap = self.testing.ns_wrap
+            parts = [self.muon[st.items[j]].parts for j in st.mine]
+            st.outs = split_ns(st.fulls, parts,
+                               lambda mats: wrap(self._ns_many, mats, kw) if wrap else self._ns_many(mats, kw))
         if self._eager_release:
             st.fulls = None
 
@@ -306,7 +309,11 @@ class WavePipeline:
                     m = self.muon[i]
                     buf = local_tensor(self.state[m.param]["momentum_buffer"])
                     momentum_update_(buf, local_tensor(st.grads[j]), st.hyper.momentum)
-                    apply_update(local_tensor(m.param), st.updates[j], lr, weight_decay, adjust_lr_fn, m.full_shape)
+                    p, u = local_tensor(m.param), st.updates[j]
+                    for a, b, shape in m.runs:  # one run unless the matrix is split (overlap_muon.split)
+                        whole = a == 0 and b == p.size(0)
+                        apply_update(p if whole else p[a:b], u if whole else u[a:b], lr, weight_decay,
+                                     adjust_lr_fn, shape)
         if self._eager_release:
             st.release()
 

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--n-heads", type=int, default=4, help="attention heads (default: %(default)s)")
     a("--mlp-ratio", type=int, default=4, help="MLP width / d_model (default: %(default)s)")
     a("--qkv", choices=("fused", "separate"), default="fused", help="attention input projections")
+    a("--split-qkv", action="store_true",
+      help="orthogonalize the fused qkv weight as its Q, K and V parts (overlap_muon.QKVSplit), as with --qkv separate")
     a("--lr", type=float, default=0.02, help="Muon learning rate (default: %(default)s)")
     a(
         "--adamw-lr",
@@ -151,6 +153,8 @@ def _check_args(args: argparse.Namespace, world: int) -> ModelConfig:
         raise _ConfigError(f"--stop-at must be in [1, --steps={args.steps}], got {args.stop_at}")
     if args.resume and not args.checkpoint_dir:
         raise _ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoint is)")
+    if args.split_qkv and (args.qkv != "fused" or args.optimizer != "overlap_muon"):
+        raise _ConfigError("--split-qkv splits the fused qkv weight for --optimizer overlap_muon; it needs --qkv fused")
     if args.adamw_lr is None:
         args.adamw_lr = _ADAMW_LR_ALONE if args.optimizer == "adamw" else _ADAMW_LR_WITH_MUON
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
@@ -276,8 +280,15 @@ def _build_optimizer(args: argparse.Namespace, model: GPT, mesh):
         return _TorchMuonPair(model, args)
     from overlap_muon import OverlapMuon
 
+    split = None
+    if args.split_qkv:
+        from overlap_muon import QKVSplit
+
+        # model.py stores the fused rows head by head, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: the grouped layout, g = h
+        h = model.cfg.n_heads
+        split = {"blocks.*.attn.qkv.weight": QKVSplit(h, h, model.cfg.d_model // h, layout="grouped")}
     return OverlapMuon(model, **_muon_kwargs(args), adamw_kwargs=_adamw_kwargs(args), device_mesh=mesh,
-                       max_grad_norm=args.max_grad_norm)
+                       max_grad_norm=args.max_grad_norm, split=split)
 
 
 def _sync(opt) -> None:

@@ -258,3 +258,15 @@ def test_max_grad_norm_overlap_equals_sync(tmp_path):
     assert _figures(runs[2]) == _figures(runs[3]), "remat 2: overlap differs from synchronous with --max-grad-norm"
     unclipped = res[0][0]["losses"]
     assert all(math.isfinite(x) for x in unclipped)
+
+
+def test_split_qkv_runs_and_is_exact_across_modes(tmp_path):
+    """``--split-qkv``: Q, K and V of the fused weight orthogonalized as three matrices, identical in overlap and
+    synchronous mode and in duplicated mode, and a different optimizer from the unsplit run."""
+    data = _text_file(tmp_path)
+    argv = TINY + ["--data", data, "--tp", "2"]
+    configs = [({}, argv + ["--split-qkv"]), ({"OVERLAP_MUON_OVERLAP": "0"}, argv + ["--split-qkv"]),
+               ({"OVERLAP_MUON_MODE": "duplicated"}, argv + ["--split-qkv"]), ({}, argv)]
+    runs = run_ranks(_run_configs, 2, configs, timeout=120)[0]
+    assert _figures(runs[0]) == _figures(runs[1]) == _figures(runs[2])
+    assert _figures(runs[0]) != _figures(runs[3])

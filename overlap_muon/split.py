@@ -1,0 +1,176 @@
+"""Fused weights orthogonalized as their parts: split QKV, fused gate/up, per-head blocks.
+
+A fused attention weight ``[Q; K; V]`` (or a SwiGLU ``[gate; up]``) is one ``nn.Linear`` for speed, but Muon on the
+fused matrix is a different optimizer from Muon on Q, K and V each (Megatron-Core offers the latter as
+``muon_split_qkv``). A :class:`RowSplit` names the row sets of the full ``(P, Q)`` matrix that are separate
+matrices: the NS home assembles the fused matrix as usual, orthogonalizes each part (parts of one shape batched
+together), and puts the results back in place; the learning-rate ratio of every row is its part's. The result
+equals ``torch.optim.Muon`` applied to each part as its own parameter, bit for bit (``tests/test_split.py``).
+Momentum, Nesterov and weight decay are elementwise, so the split changes nothing else.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["RowSplit", "QKVSplit", "GateUpSplit", "HeadSplit", "resolve_split", "apply_runs", "split_ns"]
+
+
+class RowSplit:
+    """Base class: ``parts(full_shape)`` is a list of row-index lists that partition ``range(P)``; part ``k`` is
+    the matrix ``full[parts[k]]`` (rows in that order)."""
+
+    def parts(self, full_shape: tuple[int, int]) -> list[list[int]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class QKVSplit(RowSplit):
+    """Q, K and V of a fused attention input projection as three matrices.
+
+    Args:
+        n_heads: query heads ``h``.
+        n_kv_heads: key/value heads ``g`` (``h % g == 0``; ``g == h`` is multi-head attention).
+        head_dim: rows per head.
+        layout: ``"blocked"``: rows ``[Q (h*hd); K (g*hd); V (g*hd)]``; ``"grouped"``: for each of the ``g``
+            groups, its ``h/g`` query heads, then one key and one value head (the grouped-query interleaving; with
+            ``g == h`` it is ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, this project's ``model.py`` layout).
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    layout: str = "blocked"
+
+    def parts(self, full_shape: tuple[int, int]) -> list[list[int]]:
+        h, g, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        if h % g or self.layout not in ("blocked", "grouped"):
+            raise ValueError(f"QKVSplit needs n_heads % n_kv_heads == 0 and layout blocked|grouped, got {self}")
+        if full_shape[0] != (h + 2 * g) * hd:
+            raise ValueError(f"QKVSplit {self} covers {(h + 2 * g) * hd} rows, the matrix has {full_shape[0]}")
+        if self.layout == "blocked":
+            q, kv = h * hd, g * hd
+            return [list(range(q)), list(range(q, q + kv)), list(range(q + kv, q + 2 * kv))]
+        per = (h // g + 2) * hd  # rows of one group
+        q_rows, k_rows, v_rows = [], [], []
+        for grp in range(g):
+            base = grp * per
+            q_rows += range(base, base + (h // g) * hd)
+            k_rows += range(base + (h // g) * hd, base + (h // g + 1) * hd)
+            v_rows += range(base + (h // g + 1) * hd, base + per)
+        return [q_rows, k_rows, v_rows]
+
+
+@dataclass(frozen=True)
+class GateUpSplit(RowSplit):
+    """A fused SwiGLU ``[gate; up]`` projection (``2F`` rows) as two ``(F, D)`` matrices."""
+
+    def parts(self, full_shape: tuple[int, int]) -> list[list[int]]:
+        p = full_shape[0]
+        if p % 2:
+            raise ValueError(f"GateUpSplit needs an even number of rows, the matrix has {p}")
+        return [list(range(p // 2)), list(range(p // 2, p))]
+
+
+@dataclass(frozen=True)
+class HeadSplit(RowSplit):
+    """Every block of ``head_dim`` consecutive rows as its own matrix (per-head orthogonalization)."""
+
+    head_dim: int
+
+    def parts(self, full_shape: tuple[int, int]) -> list[list[int]]:
+        p, hd = full_shape[0], self.head_dim
+        if hd < 1 or p % hd:
+            raise ValueError(f"HeadSplit(head_dim={hd}) does not divide the matrix's {p} rows")
+        return [list(range(s, s + hd)) for s in range(0, p, hd)]
+
+
+SplitArg = Mapping[str, RowSplit] | Callable[[str, Tensor], RowSplit | None] | None
+
+
+def resolve_split(split: SplitArg, name: str, param: Tensor, full_shape: tuple[int, int]
+                  ) -> tuple[list[list[int]] | None, str | None]:
+    """The parts of param ``name`` (``None``: not split) and an error message (``None``: fine).
+
+    ``split`` maps param names (``fnmatch`` patterns, e.g. ``"blocks.*.attn.qkv.weight"``) to a :class:`RowSplit`,
+    or is a callable ``(name, param) -> RowSplit | None``.
+    """
+    if split is None:
+        return None, None
+    if callable(split) and not isinstance(split, Mapping):
+        spec = split(name, param)
+    else:
+        spec = next((v for k, v in split.items() if fnmatch.fnmatchcase(name, k)), None)
+    if spec is None:
+        return None, None
+    if not isinstance(spec, RowSplit):
+        return None, f"split for Muon param {name!r} is a {type(spec).__name__}, expected a RowSplit"
+    try:
+        parts = [list(map(int, rows)) for rows in spec.parts(full_shape)]
+    except ValueError as e:
+        return None, f"Muon param {name!r} of shape {full_shape}: {e}"
+    flat = sorted(r for rows in parts for r in rows)
+    if flat != list(range(full_shape[0])) or any(not rows for rows in parts):
+        return None, (f"split {spec} of Muon param {name!r} (shape {full_shape}) must give non-empty row sets "
+                      "that cover every row once")
+    return parts, None
+
+
+def apply_runs(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, int], row0: int, rows: int
+               ) -> tuple[tuple[int, int, tuple[int, int]], ...]:
+    """How a shard holding full rows ``[row0, row0 + rows)`` applies its update: ``(start, stop, part_shape)``
+    runs of local rows, each scaled by the lr ratio of its part's shape (``((0, rows, full_shape),)`` unsplit)."""
+    if parts is None:
+        return ((0, rows, tuple(full_shape)),)
+    part_of = {}
+    for rows_k in parts:
+        for r in rows_k:
+            part_of[r] = (len(rows_k), full_shape[1])
+    runs: list[list] = []
+    for local in range(rows):
+        shape = part_of[row0 + local]
+        if runs and runs[-1][1] == local and runs[-1][2] == shape:
+            runs[-1][1] = local + 1
+        else:
+            runs.append([local, local + 1, shape])
+    return tuple((a, b, s) for a, b, s in runs)
+
+
+def split_ns(fulls: Sequence[Tensor], parts: Sequence[Sequence[Sequence[int]] | None],
+             ns_many: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
+    """NS of each full matrix, or of each of its parts put back in place; ``ns_many`` batches by shape.
+
+    Args:
+        fulls: ``(P, Q)`` bf16 matrices assembled on this home.
+        parts: per matrix, its row sets (``None``: the whole matrix).
+        ns_many: list of matrices -> list of their NS results.
+
+    Returns:
+        ``(P, Q)`` bf16 results, one per input.
+    """
+    mats: list[Tensor] = []
+    where: list[tuple[int, Tensor | None]] = []
+    for j, (full, rows) in enumerate(zip(fulls, parts)):
+        if rows is None:
+            mats.append(full)
+            where.append((j, None))
+            continue
+        for r in rows:
+            idx = torch.tensor(r, device=full.device)
+            mats.append(full.index_select(0, idx))
+            where.append((j, idx))
+    outs = ns_many(mats)
+    result: list[Tensor | None] = [None] * len(fulls)
+    for (j, idx), o in zip(where, outs):
+        if idx is None:
+            result[j] = o
+            continue
+        if result[j] is None:
+            result[j] = torch.empty(fulls[j].shape, dtype=o.dtype, device=o.device)
+        result[j].index_copy_(0, idx, o)
+    return result  # type: ignore[return-value]

@@ -72,6 +72,16 @@ where it could not be measured, e.g. ``--no-baseline``):
     robin, for every Muon matrix of a step of GPT-2 small, a Llama-3-8B-class and a Llama-3-70B-class model,
     on domains of 8, 16 and 64 ranks. ``{model}_S{S}_lpt_max_over_mean`` and ``..._rr_max_over_mean`` (>= 1;
     1 is perfect balance).
+``peers``
+    OverlapMuon side by side with torchtitan's ``DistMuon`` (FlexShard; optional, skipped with the install line
+    when not importable; CPU patches and details in :mod:`overlap_muon._bench_peers`). Same model (d_model 256,
+    4 heads, per layer q, k, v, o, up, down), same DTensor shards, same gradients, interleaved. (a) the optimizer
+    step alone (``overlap=False``), world 2, TP (``ColwiseParallel``/``RowwiseParallel``) and FSDP2
+    (``fully_shard``) layouts: ``step_{tp,fsdp}_world2_overlap_muon_over_dist_muon``; (b) the whole training
+    iteration (forward, backward, step) with OverlapMuon's overlap on, TP, world 1 and 2:
+    ``iteration_world{1,2}_overlap_muon_over_dist_muon``. Each is our median time over DistMuon's (one bucket);
+    < 1 means OverlapMuon is faster. The case fails if any result is not ``torch.equal`` (to each other, and in
+    (a) to ``torch.optim.Muon`` on the unsharded model).
 """
 
 from __future__ import annotations
@@ -109,7 +119,7 @@ from .optimizer import OverlapMuon
 __all__ = ["main", "CASES", "expected_ratio_keys", "machine_info"]
 
 #: Case names, in the order a full run executes them.
-CASES: tuple[str, ...] = ("step", "overhead", "ns", "comm", "overlap", "balance")
+CASES: tuple[str, ...] = ("step", "overhead", "ns", "comm", "overlap", "balance", "peers")
 
 #: Muon hyper-parameters of every case (``torch.optim.Muon``'s defaults except a visible learning rate).
 _HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -178,6 +188,10 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
         return tuple(f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_"))
     if case == "balance":
         return tuple(f"{f.name}_S{s}_{b}_max_over_mean" for f in _FAMILIES for s in _DOMAINS for b in ("lpt", "rr"))
+    if case == "peers":
+        from ._bench_peers import RATIO_KEYS
+
+        return RATIO_KEYS
     raise ValueError(f"unknown bench case {case!r}; known: {', '.join(CASES)}")
 
 
@@ -1094,6 +1108,17 @@ def _case_balance(o: _Options) -> _CaseResult:
                        det)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Case: peers (implemented in overlap_muon._bench_peers, which needs torchtitan)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _case_peers(o: _Options) -> _CaseResult:
+    from ._bench_peers import case_peers
+
+    return case_peers(o)
+
+
 _RUNNERS: dict[str, Callable[[_Options], _CaseResult]] = {
     "step": _case_step,
     "overhead": _case_overhead,
@@ -1101,6 +1126,7 @@ _RUNNERS: dict[str, Callable[[_Options], _CaseResult]] = {
     "comm": _case_comm,
     "overlap": _case_overlap,
     "balance": _case_balance,
+    "peers": _case_peers,
 }
 
 

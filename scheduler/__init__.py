@@ -6,7 +6,7 @@ function of its inputs, so all ranks compute the same one without communicating.
 
 from .cost import ns_bytes, ns_flops
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
-from .waves import ReadinessRecorder, Wave, WaveDispatcher, plan_waves
+from .waves import ReadinessRecorder, Wave, WaveCostModel, WaveDispatcher, plan_waves, plan_waves_by_cost
 
 __all__ = [
     "ns_flops",
@@ -17,6 +17,8 @@ __all__ = [
     "load_report",
     "Wave",
     "plan_waves",
+    "WaveCostModel",
+    "plan_waves_by_cost",
     "WaveDispatcher",
     "ReadinessRecorder",
 ]

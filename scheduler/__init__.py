@@ -6,6 +6,7 @@ function of its inputs, so all ranks compute the same one without communicating.
 
 from .cost import ns_bytes, ns_flops
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
+from .plan_hash import PlanDifference, first_plan_difference, param_fingerprints, plan_hash
 from .waves import ReadinessRecorder, Wave, WaveCostModel, WaveDispatcher, plan_waves, plan_waves_by_cost
 
 __all__ = [
@@ -21,4 +22,8 @@ __all__ = [
     "plan_waves_by_cost",
     "WaveDispatcher",
     "ReadinessRecorder",
+    "param_fingerprints",
+    "plan_hash",
+    "first_plan_difference",
+    "PlanDifference",
 ]

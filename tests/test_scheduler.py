@@ -567,3 +567,93 @@ def test_plan_by_cost_bad_input(kwargs, match):
 def test_wave_cost_model_validates(field, value):
     with pytest.raises(ValueError, match=field):
         WaveCostModel(**{field: value})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plan hash
+# ---------------------------------------------------------------------------------------------------------------
+
+from scheduler import first_plan_difference, param_fingerprints, plan_hash  # noqa: E402
+
+
+def _plan_inputs(n: int = 6, S: int = 2):
+    names = [f"layers.{i // 3}.{'qkv'[i % 3]}.weight" for i in range(n)]
+    shapes = [(64 * (1 + i % 3), 64) for i in range(n)]
+    pds = [i % 2 for i in range(n)]
+    costs = [float(ns_flops(s)) for s in shapes]
+    waves = plan_waves(list(reversed(range(n))), costs, S, wave_slots=2)
+    return names, shapes, pds, waves
+
+
+def test_plan_hash_is_deterministic_across_processes():
+    """The hash must not depend on the process (Python's str hash is salted per process): a fresh interpreter
+    computes the same value."""
+    import subprocess
+    import sys
+
+    names, shapes, pds, waves = _plan_inputs()
+    h = plan_hash(param_fingerprints(names, shapes, pds, waves), extra=(1, 2, "layer_sharded"))
+    assert 0 <= h < 2**63
+    code = (
+        "from tests.test_scheduler import _plan_inputs\n"
+        "from scheduler import param_fingerprints, plan_hash\n"
+        "n, s, p, w = _plan_inputs()\n"
+        "print(plan_hash(param_fingerprints(n, s, p, w), extra=(1, 2, 'layer_sharded')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**__import__("os").environ, "PYTHONHASHSEED": "12345"})
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == h
+
+
+def test_plan_hash_sees_every_field():
+    names, shapes, pds, waves = _plan_inputs()
+    base = param_fingerprints(names, shapes, pds, waves)
+    h = plan_hash(base)
+    assert plan_hash(base, extra=("duplicated",)) != h
+    assert plan_hash(base[:-1]) != h
+    changed = [
+        param_fingerprints(names[:2] + ["other"] + names[3:], shapes, pds, waves),
+        param_fingerprints(names, shapes[:2] + [(65, 64)] + shapes[3:], pds, waves),
+        param_fingerprints(names, shapes, pds[:2] + [None] + pds[3:], waves),
+    ]
+    for fp in changed:
+        assert plan_hash(fp) != h
+        assert [i for i, (a, b) in enumerate(zip(fp, base)) if a != b] == [2]
+    # Another home or wave cut changes the fingerprints of the params concerned.
+    costs = [float(ns_flops(s)) for s in shapes]
+    other = plan_waves(list(reversed(range(6))), costs, 2, wave_slots=3)
+    assert plan_hash(param_fingerprints(names, shapes, pds, other)) != h
+
+
+def test_first_plan_difference_names_the_param_and_ranks():
+    names, shapes, pds, waves = _plan_inputs()
+    fp = param_fingerprints(names, shapes, pds, waves)
+    assert first_plan_difference([fp, fp, fp], [names] * 3) is None
+    bad = list(fp)
+    bad[4] ^= 1
+    d = first_plan_difference([fp, fp, bad, bad], [names] * 4)
+    assert (d.index, d.name, d.ranks) == (4, names[4], (2, 3))
+    msg = d.message()
+    assert names[4] in msg and "#4" in msg and "[2, 3]" in msg
+    # A rank with a param fewer differs at the first index it lacks; one with a param more, at the extra one.
+    d = first_plan_difference([fp, fp[:-1]], [names, names[:-1]])
+    assert (d.index, d.name, d.ranks) == (5, names[5], (1,))
+    d = first_plan_difference([fp[:-1], fp], [names[:-1], names])
+    assert (d.index, d.name, d.ranks) == (5, names[5], (1,))
+
+
+def test_plan_hash_bad_input():
+    names, shapes, pds, waves = _plan_inputs()
+    with pytest.raises(ValueError, match="one entry per param"):
+        param_fingerprints(names[:-1], shapes, pds, waves)
+    with pytest.raises(ValueError, match="in no wave"):
+        param_fingerprints(names, shapes, pds, waves[1:])
+    with pytest.raises(ValueError, match="partition_dim=2"):
+        param_fingerprints(names, shapes, [2] + pds[1:], waves)
+    with pytest.raises(ValueError, match="shape"):
+        param_fingerprints(names, [(4, 4, 4)] + shapes[1:], pds, waves)
+    with pytest.raises(ValueError, match="per rank"):
+        first_plan_difference([], [])
+    with pytest.raises(ValueError, match="rank 1 has"):
+        first_plan_difference([[1], [1]], [["a"], []])

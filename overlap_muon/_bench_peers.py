@@ -278,7 +278,8 @@ def _peers_iteration_rank(rank: int, world: int, d: int, layers: int, heads: int
     """Interleaved rounds of ``chunk`` training iterations (forward, backward, step, zero_grad) of the TP model
     with OverlapMuon (``overlap=True``: waves launched from backward, the next forward waits per module) and with
     DistMuon (one bucket; its step is synchronous); a round's time ends after ``synchronize()`` so every
-    launched wave is paid for. Then both models' params are compared with ``torch.equal``."""
+    launched wave is paid for. OverlapMuon with ``overlap=False`` runs beside them (what the overlap buys). Then
+    every model's params are compared with ``torch.equal`` to DistMuon's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     flex, why = import_dist_muon()
@@ -286,9 +287,13 @@ def _peers_iteration_rank(rank: int, world: int, d: int, layers: int, heads: int
         raise RuntimeError(why)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     x = torch.randn(batch, seq, d, generator=torch.Generator().manual_seed(23))
-    nets = {n: _shard(_full_net(d, layers, heads, 21), mesh, "tp") for n in ("overlap_muon", "dist_muon")}
-    opts: dict[str, Any] = {"overlap_muon": OverlapMuon(nets["overlap_muon"], device_mesh=mesh, overlap=True, **_HP),
-                            "dist_muon": _build_dist_muon(flex, nets["dist_muon"], "tp", "one")}
+    names = ["overlap_muon", "overlap_muon_sync", "dist_muon"]
+    nets = {n: _shard(_full_net(d, layers, heads, 21), mesh, "tp") for n in names}
+    opts: dict[str, Any] = {
+        "overlap_muon": OverlapMuon(nets["overlap_muon"], device_mesh=mesh, overlap=True, **_HP),
+        "overlap_muon_sync": OverlapMuon(nets["overlap_muon_sync"], device_mesh=mesh, overlap=False, **_HP),
+        "dist_muon": _build_dist_muon(flex, nets["dist_muon"], "tp", "one"),
+    }
 
     def run_chunk(name: str) -> float:
         net, opt = nets[name], opts[name]
@@ -303,18 +308,19 @@ def _peers_iteration_rank(rank: int, world: int, d: int, layers: int, heads: int
             opt.synchronize()
         return (time.perf_counter() - t0) / chunk
 
-    names = list(nets)
     for n in names:  # warm-up round
         run_chunk(n)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        for n in names[r % 2:] + names[: r % 2]:
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
             times[n].append(run_chunk(n))
     fulls = {n: _fulls(net) for n, net in nets.items()}
     out: dict[str, Any] = {"times": times, "iterations": chunk * (rounds + 1)}
     if rank == 0:
-        out["unequal"] = _unequal(fulls["overlap_muon"], fulls["dist_muon"])
-    opts["overlap_muon"].close()
+        out["unequal"] = sorted({x for n in names[:2] for x in _unequal(fulls[n], fulls["dist_muon"])})
+    for n in names[:2]:
+        opts[n].close()
     return out
 
 
@@ -368,7 +374,8 @@ def case_peers(o: _Options) -> _CaseResult:
     for world in (1, 2):
         res = _run_ranks(_peers_iteration_rank, world, d, it_layers, heads, batch, seq, rounds, chunk,
                          timeout_s=o.timeout_s)
-        samples = {v: _max_over_ranks([r["times"][v] for r in res]) for v in ("overlap_muon", "dist_muon")}
+        samples = {v: _max_over_ranks([r["times"][v] for r in res])
+                   for v in ("overlap_muon", "overlap_muon_sync", "dist_muon")}
         med = {v: _median(s) for v, s in samples.items()}
         unequal = res[0]["unequal"]
         key = f"iteration_world{world}_overlap_muon_over_dist_muon"
@@ -378,8 +385,9 @@ def case_peers(o: _Options) -> _CaseResult:
                                           "iterations": res[0]["iterations"], "median_s": med, "samples_s": samples,
                                           "unequal": unequal}
         lines.append(f"(b) iteration (fwd+bwd+step), world {world}, TP, {6 * it_layers} matrices, {batch}x{seq} "
-                     f"tokens: overlap_muon (overlap on) {_ms(med['overlap_muon']).strip()}, dist_muon "
-                     f"{_ms(med['dist_muon']).strip()}, ratio {ratios[key]:.3f}; params after "
+                     f"tokens: overlap_muon (overlap on) {_ms(med['overlap_muon']).strip()}, overlap off "
+                     f"{_ms(med['overlap_muon_sync']).strip()}, dist_muon {_ms(med['dist_muon']).strip()}, ratio "
+                     f"{ratios[key]:.3f} (off: {med['overlap_muon_sync'] / med['dist_muon']:.3f}); params after "
                      f"{res[0]['iterations']} iterations "
                      + ("torch.equal" if not unequal else f"DIFFER: {unequal[:3]}"))
         if unequal:

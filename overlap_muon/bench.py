@@ -60,6 +60,9 @@ where it could not be measured, e.g. ``--no-baseline``):
     on the spare core; at world 2 both cores run ranks, so the lanes compete with the training step. The
     variants run in interleaved rounds of a few iterations each; a round's time includes ``synchronize()`` at its
     end, so every launched wave is paid for.
+    ``llama_exposed_fraction_world1``: the same at world 1 on a Llama-shaped stack (:class:`_LlamaStack`: d_model
+    256, GQA with 4 query and 2 KV heads of 64, SwiGLU MLP 688; 6 layers, 42 matrices of 5 shapes), whose many
+    small same-shape matrices show how waves batch (its NS calls per step are reported beside it).
     ``sim_exposed_fraction_world{1,2}``: :func:`scheduler.simulate.simulate` fed the per-phase figures measured
     in the same rounds (per-layer forward / backward times, unbatched NS FLOP/s) and after them (all_to_all
     bandwidth and latency, elementwise bandwidth), reported as ``exposed_overlap_s / exposed_no_overlap_s`` (the
@@ -185,7 +188,8 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
         return ("fused_bytes_over_ideal", "two_stage_bytes_over_ideal", "duplicated_bytes_over_ideal",
                 "fused_default_bytes_over_ideal")
     if case == "overlap":
-        return tuple(f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_"))
+        return tuple(f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_")) + (
+            "llama_exposed_fraction_world1",)
     if case == "balance":
         return tuple(f"{f.name}_S{s}_{b}_max_over_mean" for f in _FAMILIES for s in _DOMAINS for b in ("lpt", "rr"))
     if case == "peers":
@@ -1005,6 +1009,83 @@ def _simulate_exposed(d: int, blocks: int, world: int, r: dict[str, Any], speedu
     }
 
 
+class _LlamaStack(nn.Module):
+    """A Llama-shaped decoder stack at small scale: per layer RMS norm, causal GQA attention (q ``(256, d)``, k and
+    v ``(128, d)``: 4 query heads and 2 KV heads of 64; o ``(d, 256)``), RMS norm, SwiGLU MLP (gate and up
+    ``(688, d)``, down ``(d, 688)``); no biases, no norm weights (every param a Muon matrix). Input/output
+    ``(B, S, d)`` float32."""
+
+    def __init__(self, layers: int, d: int = 256) -> None:
+        super().__init__()
+        self.d = d
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            m = nn.Module()
+            m.q, m.k, m.v = nn.Linear(d, 256, bias=False), nn.Linear(d, 128, bias=False), nn.Linear(d, 128, bias=False)
+            m.o = nn.Linear(256, d, bias=False)
+            m.gate, m.up = nn.Linear(d, 688, bias=False), nn.Linear(d, 688, bias=False)
+            m.down = nn.Linear(688, d, bias=False)
+            self.layers.append(m)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        for m in self.layers:
+            h = F.rms_norm(x, (self.d,))
+            q = m.q(h).view(B, S, 4, 64).transpose(1, 2)
+            k = m.k(h).view(B, S, 2, 64).transpose(1, 2)
+            v = m.v(h).view(B, S, 2, 64).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + m.o(a.transpose(1, 2).reshape(B, S, 256))
+            h = F.rms_norm(x, (self.d,))
+            x = x + m.down(F.silu(m.gate(h)) * m.up(h))
+        return x
+
+
+def _overlap_llama_rank(rank: int, world: int, layers: int, batch: int, seq: int, rounds: int,
+                        chunk: int) -> dict[str, Any]:
+    """Interleaved rounds of ``chunk`` training iterations of :class:`_LlamaStack` with no optimizer, overlap off
+    and overlap on (each round ends with ``synchronize()``); seconds per iteration and NS calls per step."""
+    x = torch.randn(batch, seq, 256, generator=torch.Generator().manual_seed(5))
+    variants: dict[str, tuple[nn.Module, OverlapMuon | None]] = {}
+    for name in ("none", "off", "on"):
+        with torch.random.fork_rng():
+            torch.manual_seed(12)
+            net = _LlamaStack(layers)
+        opt = None if name == "none" else OverlapMuon(net, overlap=(name == "on"), **_HP)
+        variants[name] = (net, opt)
+
+    def run_chunk(name: str) -> float:
+        net, opt = variants[name]
+        t0 = time.perf_counter()
+        for _ in range(chunk):
+            net(x).pow(2).mean().backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            else:
+                net.zero_grad()
+        if opt is not None:
+            opt.synchronize()
+        return (time.perf_counter() - t0) / chunk
+
+    names = list(variants)
+    for n in names:
+        run_chunk(n)
+    steps0 = {n: (o.stats["ns_calls"], o.stats["steps"]) for n, (_, o) in variants.items() if o is not None}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % 3:] + names[: r % 3]:
+            times[n].append(run_chunk(n))
+    ns_calls = {n: (o.stats["ns_calls"] - steps0[n][0]) / max(1, o.stats["steps"] - steps0[n][1])
+                for n, (_, o) in variants.items() if o is not None}
+    waves = {n: len(o.waves) for n, (_, o) in variants.items() if o is not None}
+    for _, o in variants.values():
+        if o is not None:
+            o.close()
+    return {"times": times, "ns_calls_per_step": ns_calls, "waves": waves,
+            "matrices": sum(1 for _ in variants["none"][0].parameters())}
+
+
 def _case_overlap(o: _Options) -> _CaseResult:
     d = 256
     blocks, tokens = (2, 512) if o.quick else (6, 1024)
@@ -1047,6 +1128,21 @@ def _case_overlap(o: _Options) -> _CaseResult:
                              f"{tl['mean_exposed_ms']:.1f} ms per step ({tl['mean_exposed_fraction']:.3f} of the "
                              f"step); the rest of the exposed time is the lanes slowing forward/backward")
         det[f"world{world}"] = entry
+    # The Llama-shaped stack at world 1 (many small same-shape matrices: what wave batching is about).
+    llama_layers = 2 if o.quick else 6
+    res = _run_ranks(_overlap_llama_rank, 1, llama_layers, 4, 128 if o.quick else 256, rounds, chunk,
+                     timeout_s=o.timeout_s)
+    med = {n: _median(res[0]["times"][n]) for n in ("none", "off", "on")}
+    frac = _ratio(med["on"] - med["none"], med["off"] - med["none"])
+    ratios["llama_exposed_fraction_world1"] = frac
+    det["llama_world1"] = {"layers": llama_layers, "matrices": res[0]["matrices"], "median_s": med,
+                           "ns_calls_per_step": res[0]["ns_calls_per_step"], "waves": res[0]["waves"],
+                           "samples_s": res[0]["times"]}
+    calls = res[0]["ns_calls_per_step"]
+    lines.append(f"llama world 1 ({llama_layers} layers, {res[0]['matrices']} matrices): none {_ms(med['none'])}  "
+                 f"off {_ms(med['off'])}  on {_ms(med['on'])}  -> exposed fraction "
+                 f"{'-' if frac is None else format(frac, '.3f')}; NS calls per step on {calls['on']:g} "
+                 f"({res[0]['waves']['on']} waves), off {calls['off']:g}")
     return _CaseResult(
         f"training step with overlap on / off / no optimizer: {blocks} blocks d {d} ({4 * blocks} matrices), "
         f"{tokens} tokens",

@@ -242,13 +242,20 @@ def plan_waves_by_cost(
 
     1. the cut that minimizes that finish time ``F`` (dynamic programming over cut points, each wave at most
        ``max_wave_params`` params), then
-    2. from the front, adjacent waves merged while the merge does not delay ``F`` (fewer waves and NS calls for
-       the same critical path: a wave with slack batches for free).
+    2. from the front, adjacent waves merged while the merge does not delay ``F`` and the merged wave still
+       finishes before the last gradient is ready (fewer waves and NS calls for the same critical path: a wave
+       with slack inside backward batches for free; work is never moved past the end of backward).
 
     Taper ([Note: wave taper]) is a consequence, not a rule: the last wave starts at the end of backward and all
     its time is exposed, so step 1 keeps it as small as its fixed costs allow, while early waves, which have
     backward left to hide in, grow until the batching gain is used up. With a negligible per-call and per-wave
     cost the plan is one matrix per wave; with a large one it is a few large waves.
+
+    What the model leaves out: it runs waves strictly one after another (exchange, NS, exchange summed),
+    whereas the runtime's lanes pipeline them (wave k+1's exchange to the homes overlaps wave k's NS). It is
+    therefore pessimistic about many waves, most where a wave's NS is one matrix per home (domains at least as
+    large as the waves): there it prefers a few large waves (e.g. 560 Llama-3-70B matrices on 512 homes: two
+    waves). ``scheduler.simulate`` has the finer lane model; planning against it is the next step.
 
     Homes are then given exactly as :func:`plan_waves` does (LPT inside each wave with loads carried across
     waves, or round robin). The estimate of a wave's NS time assumes LPT spreads each shape over
@@ -346,15 +353,26 @@ def plan_waves_by_cost(
             seg.add(costs[order[q]], shp[order[q]], num_ranks)
         return seg.seconds(m, num_ranks)
 
-    # 2. Merge adjacent waves, front to back, while the last wave's finish does not move.
+    # 2. Merge adjacent waves, front to back, while the last wave's finish does not move and the merged wave
+    #    still ends within backward (before the last gradient is ready): its batching is then free. A merge that
+    #    pushes work past the end of backward is refused even when the model's finish does not move, so the
+    #    model's ties never turn into a large last wave.
     target = best[n] * (1 + 1e-9)
+    end_of_backward = ready[n - 1]
     k = 0
     while k + 2 < len(bounds):
-        lo, mid, hi = bounds[k], bounds[k + 1], bounds[k + 2]
+        lo, hi = bounds[k], bounds[k + 2]
         if hi - lo <= cap:
             trial = bounds[: k + 1] + bounds[k + 2 :]
             works = [work_of(a, b) for a, b in zip(trial, trial[1:])]
-            if _finish([b - a for a, b in zip(trial, trial[1:])], works, [ready[b - 1] for b in trial[1:]]) <= target:
+            ends = [ready[b - 1] for b in trial[1:]]
+            t = 0.0
+            merged_finish = math.inf
+            for w_idx, (w, r) in enumerate(zip(works, ends)):
+                t = max(t, r) + w
+                if w_idx == k:
+                    merged_finish = t
+            if t <= target and merged_finish <= end_of_backward:
                 bounds = trial
                 continue
         k += 1

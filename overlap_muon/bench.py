@@ -65,6 +65,9 @@ where it could not be measured, e.g. ``--no-baseline``):
     on the spare core; at world 2 both cores run ranks, so the lanes compete with the training step. The
     variants run in interleaved rounds of a few iterations each; a round's time includes ``synchronize()`` at its
     end, so every launched wave is paid for.
+    ``llama_exposed_fraction_world1``: the same at world 1 on a Llama-shaped stack (:class:`_LlamaStack`: d_model
+    256, GQA with 4 query and 2 KV heads of 64, SwiGLU MLP 688; 6 layers, 42 matrices of 5 shapes), whose many
+    small same-shape matrices show how waves batch (its NS calls per step are reported beside it).
     ``sim_exposed_fraction_world{1,2}``: :func:`scheduler.simulate.simulate` fed the per-phase figures measured
     in the same rounds (per-layer forward / backward times, unbatched NS FLOP/s) and after them (all_to_all
     bandwidth and latency, elementwise bandwidth), reported as ``exposed_overlap_s / exposed_no_overlap_s`` (the
@@ -87,6 +90,16 @@ where it could not be measured, e.g. ``--no-baseline``):
     relative Frobenius difference). ``sim_70b_{idle,best}_exposed_fraction``: :mod:`scheduler.simulate` on the
     70B preset (TP 8, remat 8, DP 16), exposed optimizer fraction with idle surplus and with the best of
     ``duplicate`` / ``team`` / ``auto`` at ``dp_slots`` 1 and 4 (the issue's goal: <= 0.02).
+``peers``
+    OverlapMuon side by side with torchtitan's ``DistMuon`` (FlexShard; optional, skipped with the install line
+    when not importable; CPU patches and details in :mod:`overlap_muon._bench_peers`). Same model (d_model 256,
+    4 heads, per layer q, k, v, o, up, down), same DTensor shards, same gradients, interleaved. (a) the optimizer
+    step alone (``overlap=False``), world 2, TP (``ColwiseParallel``/``RowwiseParallel``) and FSDP2
+    (``fully_shard``) layouts: ``step_{tp,fsdp}_world2_overlap_muon_over_dist_muon``; (b) the whole training
+    iteration (forward, backward, step) with OverlapMuon's overlap on, TP, world 1 and 2:
+    ``iteration_world{1,2}_overlap_muon_over_dist_muon``. Each is our median time over DistMuon's (one bucket);
+    < 1 means OverlapMuon is faster. The case fails if any result is not ``torch.equal`` (to each other, and in
+    (a) to ``torch.optim.Muon`` on the unsharded model).
 """
 
 from __future__ import annotations
@@ -125,7 +138,7 @@ from .team_ns import team_zeropower
 __all__ = ["main", "CASES", "expected_ratio_keys", "machine_info"]
 
 #: Case names, in the order a full run executes them.
-CASES: tuple[str, ...] = ("step", "overhead", "ns", "comm", "overlap", "balance", "surplus", "memory")
+CASES: tuple[str, ...] = ("step", "overhead", "ns", "comm", "overlap", "balance", "surplus", "memory", "peers")
 
 #: Muon hyper-parameters of every case (``torch.optim.Muon``'s defaults except a visible learning rate).
 _HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
@@ -192,7 +205,8 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
                 "fused_default_bytes_over_ideal")
     if case == "overlap":
         return tuple(f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_")) + (
-            "exposed_fraction_max_grad_norm_world1", "exposed_fraction_user_clip_world1")
+            "exposed_fraction_max_grad_norm_world1", "exposed_fraction_user_clip_world1",
+            "llama_exposed_fraction_world1")
     if case == "balance":
         return tuple(f"{f.name}_S{s}_{b}_max_over_mean" for f in _FAMILIES for s in _DOMAINS for b in ("lpt", "rr"))
     if case == "surplus":
@@ -200,6 +214,10 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
     if case == "memory":
         return tuple(f"{v}_peak_over_min_world{w}" for w in (1, 2) for v in ("overlap", "sync", "duplicated")) + (
             "overlap_peak_over_torch_muon_world1",)
+    if case == "peers":
+        from ._bench_peers import RATIO_KEYS
+
+        return RATIO_KEYS
     raise ValueError(f"unknown bench case {case!r}; known: {', '.join(CASES)}")
 
 
@@ -1061,6 +1079,83 @@ def _simulate_exposed(d: int, blocks: int, world: int, r: dict[str, Any], speedu
     }
 
 
+class _LlamaStack(nn.Module):
+    """A Llama-shaped decoder stack at small scale: per layer RMS norm, causal GQA attention (q ``(256, d)``, k and
+    v ``(128, d)``: 4 query heads and 2 KV heads of 64; o ``(d, 256)``), RMS norm, SwiGLU MLP (gate and up
+    ``(688, d)``, down ``(d, 688)``); no biases, no norm weights (every param a Muon matrix). Input/output
+    ``(B, S, d)`` float32."""
+
+    def __init__(self, layers: int, d: int = 256) -> None:
+        super().__init__()
+        self.d = d
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            m = nn.Module()
+            m.q, m.k, m.v = nn.Linear(d, 256, bias=False), nn.Linear(d, 128, bias=False), nn.Linear(d, 128, bias=False)
+            m.o = nn.Linear(256, d, bias=False)
+            m.gate, m.up = nn.Linear(d, 688, bias=False), nn.Linear(d, 688, bias=False)
+            m.down = nn.Linear(688, d, bias=False)
+            self.layers.append(m)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        for m in self.layers:
+            h = F.rms_norm(x, (self.d,))
+            q = m.q(h).view(B, S, 4, 64).transpose(1, 2)
+            k = m.k(h).view(B, S, 2, 64).transpose(1, 2)
+            v = m.v(h).view(B, S, 2, 64).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + m.o(a.transpose(1, 2).reshape(B, S, 256))
+            h = F.rms_norm(x, (self.d,))
+            x = x + m.down(F.silu(m.gate(h)) * m.up(h))
+        return x
+
+
+def _overlap_llama_rank(rank: int, world: int, layers: int, batch: int, seq: int, rounds: int,
+                        chunk: int) -> dict[str, Any]:
+    """Interleaved rounds of ``chunk`` training iterations of :class:`_LlamaStack` with no optimizer, overlap off
+    and overlap on (each round ends with ``synchronize()``); seconds per iteration and NS calls per step."""
+    x = torch.randn(batch, seq, 256, generator=torch.Generator().manual_seed(5))
+    variants: dict[str, tuple[nn.Module, OverlapMuon | None]] = {}
+    for name in ("none", "off", "on"):
+        with torch.random.fork_rng():
+            torch.manual_seed(12)
+            net = _LlamaStack(layers)
+        opt = None if name == "none" else OverlapMuon(net, overlap=(name == "on"), **_HP)
+        variants[name] = (net, opt)
+
+    def run_chunk(name: str) -> float:
+        net, opt = variants[name]
+        t0 = time.perf_counter()
+        for _ in range(chunk):
+            net(x).pow(2).mean().backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            else:
+                net.zero_grad()
+        if opt is not None:
+            opt.synchronize()
+        return (time.perf_counter() - t0) / chunk
+
+    names = list(variants)
+    for n in names:
+        run_chunk(n)
+    steps0 = {n: (o.stats["ns_calls"], o.stats["steps"]) for n, (_, o) in variants.items() if o is not None}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % 3:] + names[: r % 3]:
+            times[n].append(run_chunk(n))
+    ns_calls = {n: (o.stats["ns_calls"] - steps0[n][0]) / max(1, o.stats["steps"] - steps0[n][1])
+                for n, (_, o) in variants.items() if o is not None}
+    waves = {n: len(o.waves) for n, (_, o) in variants.items() if o is not None}
+    for _, o in variants.values():
+        if o is not None:
+            o.close()
+    return {"times": times, "ns_calls_per_step": ns_calls, "waves": waves,
+            "matrices": sum(1 for _ in variants["none"][0].parameters())}
+
+
 def _case_overlap(o: _Options) -> _CaseResult:
     d = 256
     blocks, tokens = (2, 512) if o.quick else (6, 1024)
@@ -1110,6 +1205,21 @@ def _case_overlap(o: _Options) -> _CaseResult:
                              f"{tl['mean_exposed_ms']:.1f} ms per step ({tl['mean_exposed_fraction']:.3f} of the "
                              f"step); the rest of the exposed time is the lanes slowing forward/backward")
         det[f"world{world}"] = entry
+    # The Llama-shaped stack at world 1 (many small same-shape matrices: what wave batching is about).
+    llama_layers = 2 if o.quick else 6
+    res = _run_ranks(_overlap_llama_rank, 1, llama_layers, 4, 128 if o.quick else 256, rounds, chunk,
+                     timeout_s=o.timeout_s)
+    med = {n: _median(res[0]["times"][n]) for n in ("none", "off", "on")}
+    frac = _ratio(med["on"] - med["none"], med["off"] - med["none"])
+    ratios["llama_exposed_fraction_world1"] = frac
+    det["llama_world1"] = {"layers": llama_layers, "matrices": res[0]["matrices"], "median_s": med,
+                           "ns_calls_per_step": res[0]["ns_calls_per_step"], "waves": res[0]["waves"],
+                           "samples_s": res[0]["times"]}
+    calls = res[0]["ns_calls_per_step"]
+    lines.append(f"llama world 1 ({llama_layers} layers, {res[0]['matrices']} matrices): none {_ms(med['none'])}  "
+                 f"off {_ms(med['off'])}  on {_ms(med['on'])}  -> exposed fraction "
+                 f"{'-' if frac is None else format(frac, '.3f')}; NS calls per step on {calls['on']:g} "
+                 f"({res[0]['waves']['on']} waves), off {calls['off']:g}")
     return _CaseResult(
         f"training step with overlap on / off / no optimizer: {blocks} blocks d {d} ({4 * blocks} matrices), "
         f"{tokens} tokens",
@@ -1390,6 +1500,17 @@ def _case_memory(o: _Options) -> _CaseResult:
     return _CaseResult("optimizer memory: peak per step vs the one-wave minimum", ratios, lines, det)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Case: peers (implemented in overlap_muon._bench_peers, which needs torchtitan)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _case_peers(o: _Options) -> _CaseResult:
+    from ._bench_peers import case_peers
+
+    return case_peers(o)
+
+
 _RUNNERS: dict[str, Callable[[_Options], _CaseResult]] = {
     "step": _case_step,
     "overhead": _case_overhead,
@@ -1399,6 +1520,7 @@ _RUNNERS: dict[str, Callable[[_Options], _CaseResult]] = {
     "balance": _case_balance,
     "surplus": _case_surplus,
     "memory": _case_memory,
+    "peers": _case_peers,
 }
 
 

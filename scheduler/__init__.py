@@ -6,8 +6,9 @@ function of its inputs, so all ranks compute the same one without communicating.
 
 from .cost import ns_bytes, ns_flops
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
+from .plan_hash import PlanDifference, first_plan_difference, param_fingerprints, plan_hash
 from .surplus import SurplusCostModel, SurplusPlan, plan_surplus
-from .waves import ReadinessRecorder, Wave, WaveDispatcher, plan_waves
+from .waves import ReadinessRecorder, Wave, WaveCostModel, WaveDispatcher, plan_waves, plan_waves_by_cost
 
 __all__ = [
     "ns_flops",
@@ -18,9 +19,15 @@ __all__ = [
     "load_report",
     "Wave",
     "plan_waves",
+    "WaveCostModel",
+    "plan_waves_by_cost",
     "WaveDispatcher",
     "ReadinessRecorder",
     "plan_surplus",
     "SurplusPlan",
     "SurplusCostModel",
+    "param_fingerprints",
+    "plan_hash",
+    "first_plan_difference",
+    "PlanDifference",
 ]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from overlap_muon import bench
 
@@ -140,3 +141,57 @@ def test_memory_case_counts_the_optimizer_only(quick_report):
         r = det[f"world{world}"]
         for v in ("overlap", "sync", "duplicated"):
             assert r[v] > 0 and r["min"][v] > 0, (world, v, r)
+
+
+@pytest.mark.timeout(240)
+def test_peers_case_runs_quick_or_skips_cleanly(tmp_path):
+    """``--cases peers --quick`` either measures OverlapMuon against torchtitan's DistMuon, with every result
+    ``torch.equal`` (the case fails otherwise), or, without torchtitan, is skipped with the install line and
+    exits 0."""
+    from overlap_muon import _bench_peers
+
+    path = tmp_path / "peers.json"
+    rc = bench.main(["--quick", "--repeats", "2", "--cases", "peers", "--json", str(path), "--timeout", "200"])
+    assert rc == 0
+    case = json.loads(path.read_text())["cases"]["peers"]
+    assert set(case["ratios"]) == set(bench.expected_ratio_keys("peers"))
+    flex, why = _bench_peers.import_dist_muon()
+    if flex is None:
+        assert _bench_peers.INSTALL_HINT in case["details"]["skipped"]
+        assert all(v is None for v in case["ratios"].values())
+        return
+    det = case["details"]
+    for layout in ("tp", "fsdp"):
+        assert all(not v for v in det[f"step_{layout}"]["unequal_to_torch_muon"].values()), layout
+    for world in (1, 2):
+        assert det[f"iteration_world{world}"]["unequal"] == []
+    assert all(v is not None and v > 0 for v in case["ratios"].values())
+
+
+def test_peers_case_skips_with_the_install_line_when_torchtitan_is_missing(monkeypatch, tmp_path):
+    from overlap_muon import _bench_peers
+
+    monkeypatch.setattr(_bench_peers, "import_dist_muon", lambda: (None, "no torchtitan here"))
+    opts = bench._Options(quick=True, repeats=1, baseline=True, trace_dir=str(tmp_path), timeout_s=10.0)
+    res = bench._case_peers(opts)
+    assert res.ratios == {k: None for k in bench.expected_ratio_keys("peers")}
+    assert "skipped" in res.lines[0] and "no torchtitan here" in res.lines[0]
+
+
+def test_dist_muon_cpu_patches_are_scoped():
+    """The CPU patches exist only inside the context, and not at all for a CUDA device."""
+    from overlap_muon import _bench_peers
+
+    flex, _ = _bench_peers.import_dist_muon()
+    if flex is None:
+        pytest.skip("torchtitan is not installed")
+    from torchtitan.distributed.flex_shard.dist_muon import DistMuon
+
+    orig_stream, orig_check = torch.cpu.Stream, DistMuon.__dict__["_validate_parameter_storage"]
+    with _bench_peers.dist_muon_cpu_patches(torch.device("cuda")):
+        assert torch.cpu.Stream is orig_stream
+    with _bench_peers.dist_muon_cpu_patches(torch.device("cpu")):
+        torch.cpu.Stream(device=torch.device("cpu"), priority=0)  # what _optimizer_reshard_runtime.py:267 calls
+        assert DistMuon.__dict__["_validate_parameter_storage"] is not orig_check
+    assert torch.cpu.Stream is orig_stream
+    assert DistMuon.__dict__["_validate_parameter_storage"] is orig_check

@@ -415,3 +415,245 @@ def test_readiness_recorder():
         ReadinessRecorder(-1)
     # Its order is a valid plan_waves order.
     assert len(plan_waves(r.order(), [1.0] * 6, 2)) >= 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plan_waves_by_cost
+# ---------------------------------------------------------------------------------------------------------------
+
+from scheduler import WaveCostModel, plan_waves_by_cost  # noqa: E402
+from scheduler.waves import _Segment, _finish  # noqa: E402
+
+
+def _llama_shapes(layers: int = 6, d: int = 256) -> list[tuple[int, int]]:
+    """A Llama-shaped stack: GQA (4 query heads, 2 KV heads of 64), SwiGLU MLP 688; layer 0 first."""
+    per = [(256, d), (128, d), (128, d), (d, 256), (688, d), (688, d), (d, 688)]
+    return per * layers
+
+
+def _ns_calls(waves, shapes) -> int:
+    """zeropower calls of a plan with shape batching: one per (wave, home, shape)."""
+    return sum(len({(w.homes[i], shapes[i]) for i in w.params}) for w in waves)
+
+
+def _plan_finish(waves, order, costs, shapes, S, model, ready) -> float:
+    works, ends = [], []
+    for w in waves:
+        seg = _Segment()
+        for i in w.params:
+            seg.add(costs[i], shapes[i], S)
+        works.append(seg.seconds(model, S))
+        ends.append(max(ready[i] for i in w.params))
+    return _finish([len(w.params) for w in waves], works, ends)
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 8])
+@pytest.mark.parametrize("balance", ["lpt", "round_robin"])
+def test_plan_by_cost_partitions_the_order(S, balance):
+    shapes = _llama_shapes(3)
+    costs = [float(ns_flops(s)) for s in shapes]
+    order = list(reversed(range(len(shapes))))
+    waves = plan_waves_by_cost(order, costs, shapes, S, balance=balance)
+    assert [i for w in waves for i in w.params] == order
+    assert [w.index for w in waves] == list(range(len(waves)))
+    assert all(0 <= h < S for w in waves for h in w.homes.values())
+    again = plan_waves_by_cost(order, costs, shapes, S, balance=balance)
+    assert [(w.params, w.homes) for w in again] == [(w.params, w.homes) for w in waves]
+    assert plan_waves_by_cost([], [], [], S) == []
+
+
+def test_plan_by_cost_batches_at_world_1_where_count_based_cannot():
+    """Regression guard for the issue's figure: with one home, the count-based overlap default (one matrix per
+    wave) makes one NS call per matrix (43 per step on the 6-layer Llama-shaped model); the cost-based plan
+    groups same-shape matrices."""
+    shapes = _llama_shapes(6)
+    costs = [float(ns_flops(s)) for s in shapes]
+    order = list(reversed(range(len(shapes))))
+    by_count = plan_waves(order, costs, 1, wave_slots=1)
+    by_cost = plan_waves_by_cost(order, costs, shapes, 1)
+    assert _ns_calls(by_count, shapes) == len(shapes)
+    assert _ns_calls(by_cost, shapes) < len(shapes) // 2
+    assert len(by_cost) < len(by_count)
+
+
+def test_plan_by_cost_tapers_when_backward_is_long():
+    """The last wave (first layers, awaited first by the next forward) is small; the first is large."""
+    shapes = _llama_shapes(6)
+    costs = [float(ns_flops(s)) for s in shapes]
+    order = list(reversed(range(len(shapes))))
+    base = sum(c / WaveCostModel().ns_flops_per_s + WaveCostModel().ns_call_s for c in costs)
+    for factor in (2, 4, 10):
+        sizes = [len(w.params) for w in plan_waves_by_cost(order, costs, shapes, 1,
+                                                             WaveCostModel(backward_s=factor * base))]
+        assert sizes[-1] == 1, (factor, sizes)
+        assert sizes[0] == max(sizes), (factor, sizes)
+
+
+def test_plan_by_cost_extremes():
+    shapes = [(64, 64), (64, 128)] * 8
+    costs = [float(ns_flops(s)) for s in shapes]
+    order = list(range(16))
+    # Every gradient ready at once: any cut only adds fixed costs, so one wave.
+    assert [len(w.params) for w in plan_waves_by_cost(order, costs, shapes, 2, ready_s=[0.0] * 16)] == [16]
+    # Free waves and calls, gradients far apart: each matrix as soon as it is ready (then merges that cost
+    # nothing on the critical path are allowed, so the last wave stays one matrix).
+    free = WaveCostModel(ns_call_s=0.0, wave_s=0.0)
+    waves = plan_waves_by_cost(order, costs, shapes, 2, free, ready_s=[float(i) for i in range(16)])
+    assert len(waves[-1].params) == 1
+    # max_wave_params bounds every wave.
+    waves = plan_waves_by_cost(order, costs, shapes, 1, ready_s=[0.0] * 16, max_wave_params=5)
+    assert max(len(w.params) for w in waves) <= 5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_by_cost_finish_is_optimal_over_every_cut(seed):
+    """Brute force over all 2^(n-1) cuts of a small instance: no cut finishes the last wave earlier."""
+    import itertools
+    import random
+
+    rnd = random.Random(seed)
+    n, S = 7, rnd.choice([1, 2, 3])
+    shapes = [rnd.choice([(32, 32), (64, 32), (128, 64)]) for _ in range(n)]
+    costs = [float(ns_flops(s)) for s in shapes]
+    order = rnd.sample(range(n), n)
+    ready = [rnd.uniform(0, 2e-3) for _ in range(n)]
+    model = WaveCostModel(ns_flops_per_s=1e10, ns_call_s=rnd.uniform(0, 5e-4), wave_s=rnd.uniform(0, 5e-4))
+    best = plan_waves_by_cost(order, costs, shapes, S, model, ready_s=ready)
+    run_ready = {}
+    acc = 0.0
+    for i in order:  # a wave launches once every gradient before it in the order is ready
+        acc = max(acc, ready[i])
+        run_ready[i] = acc
+    got = _plan_finish(best, order, costs, shapes, S, model, run_ready)
+    for cuts in itertools.product([0, 1], repeat=n - 1):
+        sizes, size = [], 1
+        for c in cuts:
+            if c:
+                sizes.append(size)
+                size = 1
+            else:
+                size += 1
+        sizes.append(size)
+        waves, pos = [], 0
+        for k, z in enumerate(sizes):
+            waves.append(Wave(index=k, params=tuple(order[pos:pos + z]), homes={i: 0 for i in order[pos:pos + z]}))
+            pos += z
+        assert got <= _plan_finish(waves, order, costs, shapes, S, model, run_ready) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(order=[0, 0]), "permutation"),
+        (dict(shapes=[(4, 4)]), "shapes has 1"),
+        (dict(shapes=[(4, 4), (4,)]), "shape of param 1"),
+        (dict(num_ranks=0), "num_ranks"),
+        (dict(balance="best"), "balance"),
+        (dict(ready_s=[0.0]), "ready_s has 1"),
+        (dict(ready_s=[0.0, -1.0]), "ready_s of param 1"),
+        (dict(max_wave_params=0), "max_wave_params"),
+        (dict(costs=[1.0, float("nan")]), "cost of param 1"),
+    ],
+)
+def test_plan_by_cost_bad_input(kwargs, match):
+    args = dict(order=[1, 0], costs=[1.0, 2.0], shapes=[(4, 4), (4, 8)], num_ranks=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan_waves_by_cost(**args)
+
+
+@pytest.mark.parametrize("field, value", [("ns_flops_per_s", 0), ("ns_call_s", -1.0), ("wave_s", float("inf")),
+                                          ("link_bytes_per_s", -5.0), ("backward_s", -1.0)])
+def test_wave_cost_model_validates(field, value):
+    with pytest.raises(ValueError, match=field):
+        WaveCostModel(**{field: value})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plan hash
+# ---------------------------------------------------------------------------------------------------------------
+
+from scheduler import first_plan_difference, param_fingerprints, plan_hash  # noqa: E402
+
+
+def _plan_inputs(n: int = 6, S: int = 2):
+    names = [f"layers.{i // 3}.{'qkv'[i % 3]}.weight" for i in range(n)]
+    shapes = [(64 * (1 + i % 3), 64) for i in range(n)]
+    pds = [i % 2 for i in range(n)]
+    costs = [float(ns_flops(s)) for s in shapes]
+    waves = plan_waves(list(reversed(range(n))), costs, S, wave_slots=2)
+    return names, shapes, pds, waves
+
+
+def test_plan_hash_is_deterministic_across_processes():
+    """The hash must not depend on the process (Python's str hash is salted per process): a fresh interpreter
+    computes the same value."""
+    import subprocess
+    import sys
+
+    names, shapes, pds, waves = _plan_inputs()
+    h = plan_hash(param_fingerprints(names, shapes, pds, waves), extra=(1, 2, "layer_sharded"))
+    assert 0 <= h < 2**63
+    code = (
+        "from tests.test_scheduler import _plan_inputs\n"
+        "from scheduler import param_fingerprints, plan_hash\n"
+        "n, s, p, w = _plan_inputs()\n"
+        "print(plan_hash(param_fingerprints(n, s, p, w), extra=(1, 2, 'layer_sharded')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**__import__("os").environ, "PYTHONHASHSEED": "12345"})
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == h
+
+
+def test_plan_hash_sees_every_field():
+    names, shapes, pds, waves = _plan_inputs()
+    base = param_fingerprints(names, shapes, pds, waves)
+    h = plan_hash(base)
+    assert plan_hash(base, extra=("duplicated",)) != h
+    assert plan_hash(base[:-1]) != h
+    changed = [
+        param_fingerprints(names[:2] + ["other"] + names[3:], shapes, pds, waves),
+        param_fingerprints(names, shapes[:2] + [(65, 64)] + shapes[3:], pds, waves),
+        param_fingerprints(names, shapes, pds[:2] + [None] + pds[3:], waves),
+    ]
+    for fp in changed:
+        assert plan_hash(fp) != h
+        assert [i for i, (a, b) in enumerate(zip(fp, base)) if a != b] == [2]
+    # Another home or wave cut changes the fingerprints of the params concerned.
+    costs = [float(ns_flops(s)) for s in shapes]
+    other = plan_waves(list(reversed(range(6))), costs, 2, wave_slots=3)
+    assert plan_hash(param_fingerprints(names, shapes, pds, other)) != h
+
+
+def test_first_plan_difference_names_the_param_and_ranks():
+    names, shapes, pds, waves = _plan_inputs()
+    fp = param_fingerprints(names, shapes, pds, waves)
+    assert first_plan_difference([fp, fp, fp], [names] * 3) is None
+    bad = list(fp)
+    bad[4] ^= 1
+    d = first_plan_difference([fp, fp, bad, bad], [names] * 4)
+    assert (d.index, d.name, d.ranks) == (4, names[4], (2, 3))
+    msg = d.message()
+    assert names[4] in msg and "#4" in msg and "[2, 3]" in msg
+    # A rank with a param fewer differs at the first index it lacks; one with a param more, at the extra one.
+    d = first_plan_difference([fp, fp[:-1]], [names, names[:-1]])
+    assert (d.index, d.name, d.ranks) == (5, names[5], (1,))
+    d = first_plan_difference([fp[:-1], fp], [names[:-1], names])
+    assert (d.index, d.name, d.ranks) == (5, names[5], (1,))
+
+
+def test_plan_hash_bad_input():
+    names, shapes, pds, waves = _plan_inputs()
+    with pytest.raises(ValueError, match="one entry per param"):
+        param_fingerprints(names[:-1], shapes, pds, waves)
+    with pytest.raises(ValueError, match="in no wave"):
+        param_fingerprints(names, shapes, pds, waves[1:])
+    with pytest.raises(ValueError, match="partition_dim=2"):
+        param_fingerprints(names, shapes, [2] + pds[1:], waves)
+    with pytest.raises(ValueError, match="shape"):
+        param_fingerprints(names, [(4, 4, 4)] + shapes[1:], pds, waves)
+    with pytest.raises(ValueError, match="per rank"):
+        first_plan_difference([], [])
+    with pytest.raises(ValueError, match="rank 1 has"):
+        first_plan_difference([[1], [1]], [["a"], []])

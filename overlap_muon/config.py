@@ -51,6 +51,9 @@ class OverlapMuonConfig:
     """Run NS on same-shape matrices of a home as one batched call."""
     balance: str = _opt("lpt", "OVERLAP_MUON_BALANCE", choices=("lpt", "round_robin"))
     """Home assignment: ``lpt`` (by NS FLOPs) or ``round_robin``."""
+    wave_plan: str = _opt("count", "OVERLAP_MUON_WAVE_PLAN", choices=("count", "cost"))
+    """Overlap mode without ``wave_slots``: ``count`` (one matrix per home per wave, tapered) or ``cost``
+    (``scheduler.plan_waves_by_cost``: same-shape matrices grouped where batching outweighs the later launch)."""
     wave_slots: int | None = _opt(None, "OVERLAP_MUON_WAVE_SLOTS", kind=int)
     """Max Muon matrices per wave; ``None`` means the domain size (overlap) or all matrices (synchronous)."""
     side_streams: bool = _opt(True, "OVERLAP_MUON_SIDE_STREAMS", kind=bool)

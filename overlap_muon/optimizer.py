@@ -30,7 +30,10 @@ from hooks import (
     GradReadyTracker, ParamOwners, ddp_readiness_hook, fsdp_param_streams, params_read_by_module,
     register_forward_waits, weak_callback,
 )
-from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_waves
+from scheduler import (
+    ReadinessRecorder, WaveDispatcher, first_plan_difference, ns_flops, param_fingerprints, plan_hash, plan_waves,
+    plan_waves_by_cost,
+)
 from scheduler.waves import Wave
 
 from .clip import clip_grads_by_total_norm_
@@ -208,6 +211,7 @@ class OverlapMuon(torch.optim.Optimizer):
                              else ns_flops(m.full_shape, ns_steps)) for m in self._muon]
         self._recorder = ReadinessRecorder(len(self._muon)) if self.config.readiness_order == "observed" else None
         self._plan(list(reversed(range(len(self._muon)))))
+        self._check_plan_everywhere()
         self._accumulating = False
         self._warned_reruns = False
         self._step_count = 0
@@ -272,11 +276,40 @@ class OverlapMuon(torch.optim.Optimizer):
     def _plan(self, order: list[int]) -> None:
         n = len(self._muon)
         slots = self.config.wave_slots or (self.domain.size if self.config.overlap else max(n, 1))
-        self._waves: list[Wave] = plan_waves(order, self._costs, self.domain.size, wave_slots=slots,
-                                             balance=self.config.balance, taper=self.config.overlap) if n else []
+        if n and self.config.overlap and self.config.wave_slots is None and self.config.wave_plan == "cost":
+            self._waves: list[Wave] = plan_waves_by_cost(order, self._costs, [m.full_shape for m in self._muon],
+                                                         self.domain.size, balance=self.config.balance)
+        else:
+            self._waves = plan_waves(order, self._costs, self.domain.size, wave_slots=slots,
+                                     balance=self.config.balance, taper=self.config.overlap) if n else []
         self._wave_of = {i: w.index for w in self._waves for i in w.params}
         self._dispatcher = WaveDispatcher(self._waves, self._launch)
         self._pipeline.reset_plans()
+
+    def _check_plan_everywhere(self) -> None:
+        """Every rank must plan the same waves and run the same options, or the exchanges would pair up wrongly:
+        compare a hash of the plan (``scheduler.plan_hash``) across ranks, once, at construction.
+
+        Raises:
+            ValueError: on every rank, naming the first param whose place in the plan differs, or the options.
+        """
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        names = [m.name for m in self._muon]
+        fps = param_fingerprints(names, [m.full_shape for m in self._muon], [m.partition_dim for m in self._muon],
+                                 self._waves)
+        options = self.config.describe().replace("(env)", "").replace("(argument)", "").replace("(default)", "")
+        hashes: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(hashes, plan_hash(fps, extra=(options,)))
+        if len(set(hashes)) == 1:
+            return
+        both: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(both, (fps, names, options))
+        diff = first_plan_difference([b[0] for b in both], [b[1] for b in both])
+        what = diff.message() if diff is not None else "options differ: " + "; ".join(
+            f"rank {r}: {b[2]}" for r, b in enumerate(both) if b[2] != both[0][2])
+        raise ValueError(f"OverlapMuon: the ranks planned different Muon waves ({what}); every rank must build the "
+                         "optimizer on the same model, with the same options and environment")
 
     def _register_waits(self, model: nn.Module) -> None:
         """Forward pre-hooks (prepended, before FSDP2's all-gather) waiting for the waves of the params each

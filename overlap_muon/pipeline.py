@@ -192,7 +192,9 @@ class WavePipeline:
         self.stats = stats
         self.ctrl_group = ctrl_group
         self.testing = testing
-        self.lanes = Lanes(device, side_streams=config.side_streams, delay_s=testing.ns_delay_s)
+        # A synchronous step of one wave has nothing to pipeline: its lanes run inline (no thread hand-offs).
+        one_wave = not config.overlap and config.wave_slots is None
+        self.lanes = Lanes(device, side_streams=config.side_streams and not one_wave, delay_s=testing.ns_delay_s)
         # On CPU (and inline) a task may drop what the next no longer needs; on CUDA only whole states are
         # released, after their last event ([Note: release on time]).
         self._eager_release = not self.lanes.cuda

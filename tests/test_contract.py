@@ -357,3 +357,26 @@ def test_max_grad_norm_fsdp_tp_2x2_overlap_equals_sync():
     for (a, ca), (b, cb) in zip(on, off):
         assert ca == cb == 3
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _mismatch_body(rank, world):
+    import os
+
+    from tests.models import PlainShardNet, plain_opt
+
+    if rank == 1:
+        os.environ["OVERLAP_MUON_BATCH_NS"] = "0"  # a rank-local environment: a misconfigured launcher
+    net = PlainShardNet(1, 2, 0, rank)
+    try:
+        plain_opt(net, 1, 2, 0, rank)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_options_fail_at_construction():
+    """Ranks whose plans or options differ would pair their exchanges wrongly and hang: a clear error on every
+    rank at construction instead (a hash of the plan compared across ranks)."""
+    for msg in run_ranks(_mismatch_body, 2, timeout=90):
+        assert msg is not None and "planned different Muon waves" in msg and "batch_ns" in msg, msg

@@ -452,3 +452,27 @@ def test_second_backward_before_step_counts_like_torch():
     opt.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()) if a.ndim == 2)
     opt.close()
+
+
+def test_cost_planned_waves_batch_and_stay_exact():
+    """``wave_plan="cost"`` (``scheduler.plan_waves_by_cost``): at world 1 same-shape matrices share waves, so
+    fewer NS calls run than with one matrix per wave, and the result is still ``torch.optim.Muon``'s."""
+    results = {}
+    for plan in ("count", "cost"):
+        torch.manual_seed(0)
+        model = Deep(n=8, d=32)
+        ref = Deep(n=8, d=32)
+        ref.load_state_dict(model.state_dict())
+        opt = OverlapMuon(model, wave_plan=plan, **HP)
+        mu = torch.optim.Muon(ref.parameters(), **HP)
+        x = torch.randn(4, 32)
+        for _ in range(3):
+            for m, o in ((model, opt), (ref, mu)):
+                m(x).sum().backward()
+                o.step()
+                o.zero_grad()
+        opt.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        results[plan] = (len(opt.waves), opt.stats["ns_calls"])
+        opt.close()
+    assert results["cost"][0] < results["count"][0] and results["cost"][1] < results["count"][1], results

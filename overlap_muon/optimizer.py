@@ -432,6 +432,9 @@ class OverlapMuon(torch.optim.Optimizer):
         """Waits for in-flight waves, checks the checkpoint fits, then loads (the inner AdamW keeps sharing the
         loaded state and groups).
 
+        An AdamW ``step`` saved as a plain number (older checkpoints) is converted to a tensor, as
+        ``torch.optim.AdamW.load_state_dict`` does.
+
         Raises:
             ValueError: the checkpoint's Muon param names, full shapes, partition dims or group sizes differ from
                 this optimizer's, or a state tensor's shape differs from its param's. Nothing is changed then.
@@ -443,6 +446,10 @@ class OverlapMuon(torch.optim.Optimizer):
             raise ValueError("OverlapMuon.load_state_dict: checkpoint does not fit; nothing loaded: " + "; ".join(errors))
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "overlap_muon"})
         self._link_adamw()
+        if self._adamw is not None:
+            # What AdamW.load_state_dict does after loading (it calls its __setstate__): a plain-number ``step``
+            # of an older checkpoint becomes the singleton tensor its step() requires, group flags get defaults.
+            self._adamw.__setstate__({"state": self.state, "param_groups": self.param_groups[1:]})
 
     def attach_ddp(self, ddp_model: nn.Module) -> None:
         """Take gradient readiness from a DDP comm hook instead of the per-param hooks.

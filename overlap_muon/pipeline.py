@@ -52,7 +52,7 @@ from torch import Tensor
 from scheduler.waves import Wave
 
 from .config import OverlapMuonConfig
-from .domain import Domain, MuonParam, local_tensor
+from .domain import Domain, MuonParam, block, local_tensor
 from .lanes import LaneHandle, Lanes
 from .layer_sharded_a2a import all_gather_full, from_homes, local_shard, to_homes
 from .muon_math import apply_update, momentum_update, ns_input
@@ -194,6 +194,10 @@ class WavePipeline:
         # On CPU (and inline) a task may drop what the next no longer needs; on CUDA only whole states are
         # released, after their last event ([Note: release on time]).
         self._eager_release = not self.lanes.cuda
+        # (row0, rows, col0, cols) of each param's shard in its full matrix: the apply rounds as torch does on it
+        d = dom_from
+        self._regions = [block(m.full_shape, m.partition_dim, d.remat_size, d.tp_size, d.remat_rank, d.tp_rank)
+                         for m in self.muon]
         self._route_plans: dict[Any, dict] = {}
         self._pending: dict[int, WaveState] = {}  # launched, not yet committed, by wave index
         self._applied: dict[int, WaveState] = {}  # committed, apply not yet waited for
@@ -300,7 +304,8 @@ class WavePipeline:
                 for j, i in enumerate(st.items):
                     m = self.muon[i]
                     local_tensor(self.state[m.param]["momentum_buffer"]).copy_(st.new_bufs[j])
-                    apply_update(local_tensor(m.param), st.updates[j], lr, weight_decay, adjust_lr_fn, m.full_shape)
+                    apply_update(local_tensor(m.param), st.updates[j], lr, weight_decay, adjust_lr_fn, m.full_shape,
+                                 self._regions[i])
         if self._eager_release:
             st.release()
 

@@ -284,3 +284,113 @@ def test_one_cycle_lr_over_both(overlap):
     assert [g["betas"] for g in opt.param_groups[1:]] == [g["betas"] for g in aw.param_groups]
     assert not _diff(model, ref)
     opt.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. the apply, bitwise for every dtype and layout (torch applies a tall matrix's update as a transposed view)
+# ---------------------------------------------------------------------------------------------------------------
+# name -> (full shape, TP partition_dim). Tall (P > Q), wide, square; 1-row and empty shards (5x3 on 2x2, 9x1).
+LAYOUT_SHAPES = {"tall": (37, 24), "wide": (24, 37), "square": (30, 30), "thin": (5, 3), "column": (9, 1)}
+LAYOUT_CASES = {f"{k}_pd{pd}": (shape, pd) for k, shape in LAYOUT_SHAPES.items() for pd in (0, 1, None)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Blocks(nn.Module):
+    """One plain Muon block per case (``ShardLinear``), full weights from a fixed generator."""
+
+    def __init__(self, cases, dtype, R, T, g, t):
+        from tests.models import ShardLinear, block
+
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)
+        self.full = {}
+        for name, (shape, pd) in cases.items():
+            w = torch.randn(shape, generator=gen).to(dtype)
+            self.full[name] = w
+            self.add_module(name, ShardLinear(block(w, pd, R, T, g, t).clone(), pd, shape))
+
+
+def _layout_body(rank, world, R, T, dtype_names, steps=3):
+    from tests.models import block, explicit_groups
+
+    g, t = divmod(rank, T)
+    tp, rm = explicit_groups(R, T, g, t)
+    out = {}
+    for dn in dtype_names:
+        dtype = DTYPES[dn]
+        for overlap in (False, True):
+            net = _Blocks(LAYOUT_CASES, dtype, R, T, g, t)
+            opt = OverlapMuon(net, lr=0.02, weight_decay=0.1, muon_filter=lambda n, p: p.ndim == 2,
+                              tp_group=tp, remat_group=rm, overlap=overlap)
+            refs = {n: w.clone().requires_grad_() for n, w in net.full.items()}
+            mu = torch.optim.Muon(list(refs.values()), lr=0.02, weight_decay=0.1)
+            for s in range(steps):
+                gen = torch.Generator().manual_seed(100 + s)
+                for n, (shape, pd) in LAYOUT_CASES.items():
+                    full_g = torch.randn(shape, generator=gen).to(dtype)
+                    refs[n].grad = full_g.clone()
+                    getattr(net, n).weight.grad = block(full_g, pd, R, T, g, t).contiguous()
+                opt.step()
+                mu.step()
+            opt.synchronize()
+            for n, (shape, pd) in LAYOUT_CASES.items():
+                got = getattr(net, n).weight.detach()
+                exp = block(refs[n].detach(), pd, R, T, g, t)
+                out[(dn, overlap, n)] = int((got != exp).sum())
+            opt.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_apply_bitwise_every_dtype_and_layout(dtype):
+    """Bug: bf16 tall matrices differed from torch.optim.Muon by one bf16 ulp in some elements under TP or FSDP2
+    (world 1 was exact). torch applies ``param.add_(O, alpha=...)`` with ``O`` a transposed view for tall
+    matrices, which the CPU kernel runs element by element (the bf16 product ``alpha*O`` rounded to bf16 before
+    the add), and a contiguous ``O`` vectorized (one rounding), except the tail of each thread chunk. The apply
+    now reproduces, element by element, the path torch's kernel takes on the full matrix. One test per dtype;
+    inside it every shape (tall, wide, square, 1-row shards, a single column) x TP partition_dim 0/1/None,
+    sync and overlap, on a 2x2 domain: every count of differing elements must be 0."""
+    res = run_ranks(_layout_body, 4, 2, 2, [dtype], timeout=200)
+    bad = {k: v for r in res for k, v in r.items() if v}
+    assert len(res[0]) == len(LAYOUT_CASES) * 2
+    assert not bad, bad
+
+
+def _torch_apply(full: torch.Tensor, O: torch.Tensor, lr: float, wd: float, shape) -> torch.Tensor:
+    """``_single_tensor_muon``'s last two lines on the full matrix, ``O`` in zeropower's layout."""
+    from torch.optim._muon import _adjust_lr
+
+    out = full.clone()
+    out.mul_(1 - lr * wd)
+    out.add_(O, alpha=-_adjust_lr(lr, None, torch.Size(shape)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_apply_update_on_every_block_equals_full_matrix_apply(dtype):
+    """The apply alone, in this process (``torch.get_num_threads()`` threads, so matrices above torch's grain size
+    of 32768 elements are split in thread chunks, whose tails move): every block of every grid equals torch's
+    apply on the full matrix, for tall, wide and square matrices, small and above the grain size."""
+    from overlap_muon.domain import block as region_of
+    from overlap_muon.muon_math import apply_update
+    from overlap_muon.ns import zeropower
+
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(3)
+    bad = []
+    for shape in [(37, 24), (24, 37), (30, 30), (300, 256), (256, 300), (200, 200), (5, 3), (9, 1), (1, 9)]:
+        full = torch.randn(shape, generator=gen).to(dt)
+        O = zeropower(torch.randn(shape, generator=gen))  # tall: a transposed view, as torch's
+        for lr in (0.02, torch.tensor(1e-3)):
+            exp = _torch_apply(full, O, lr, 0.1, shape)
+            for (R, T), pd in [((2, 2), 0), ((2, 2), 1), ((2, 2), None), ((1, 3), 1), ((3, 1), None), ((4, 1), 0)]:
+                for g in range(R):
+                    for t in range(T):
+                        r0, nr, c0, nc = region_of(shape, pd, R, T, g, t)
+                        shard = full[r0:r0 + nr, c0:c0 + nc].clone()
+                        apply_update(shard, O[r0:r0 + nr, c0:c0 + nc].contiguous(), lr, 0.1, None, shape,
+                                     (r0, nr, c0, nc))
+                        if not torch.equal(shard, exp[r0:r0 + nr, c0:c0 + nc]):
+                            bad.append((shape, float(lr), R, T, pd, g, t))
+    assert not bad, bad[:10]

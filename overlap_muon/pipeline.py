@@ -196,7 +196,8 @@ class WavePipeline:
         self._eager_release = not self.lanes.cuda
         # (row0, rows, col0, cols) of each param's shard in its full matrix: the apply rounds as torch does on it
         d = dom_from
-        self._regions = [block(m.full_shape, m.partition_dim, d.remat_size, d.tp_size, d.remat_rank, d.tp_rank)
+        self._regions = [(0, m.full_shape[0], 0, m.full_shape[1]) if m.replicated else
+                         block(m.full_shape, m.partition_dim, d.remat_size, d.tp_size, d.remat_rank, d.tp_rank)
                          for m in self.muon]
         self._route_plans: dict[Any, dict] = {}
         self._pending: dict[int, WaveState] = {}  # launched, not yet committed, by wave index
@@ -253,18 +254,27 @@ class WavePipeline:
             grads = [local_tensor(g) for g in st.grads]
             st.new_bufs = [momentum_update(b, g, h.momentum) for b, g in zip(bufs, grads)]
             st.packed = [ns_input(g, nb, h.momentum, h.nesterov) for g, nb in zip(grads, st.new_bufs)]
-        pds, shapes = [m.partition_dim for m in mps], [m.full_shape for m in mps]
+        # Replicated params ([Note: replicated params] in domain.py) skip the exchanges: their NS input is the full
+        # matrix already. The exchanged ones come first in ``fulls``, the replicated ones after them.
+        ex = [j for j, m in enumerate(mps) if not m.replicated]
+        packed = [st.packed[j] for j in ex]
+        pds, shapes = [mps[j].partition_dim for j in ex], [mps[j].full_shape for j in ex]
+        fulls: list[Tensor] = []
+        st.mine = []
         with prof_range(wave_range_name(k, "a2a_to_home"), nvtx=self.config.nvtx):
-            if self.config.mode == "duplicated":
-                st.fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(st.packed, pds, shapes, dom))
-                st.mine = list(range(len(mps)))
+            if not ex:
+                pass  # every rank has the same items (gradient presence is agreed), so every rank skips
+            elif self.config.mode == "duplicated":
+                fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(packed, pds, shapes, dom))
+                st.mine = list(range(len(ex)))
             else:
-                homes = [st.wave.homes[i] for i in st.items]
+                homes = [st.wave.homes[st.items[j]] for j in ex]
                 plan = self._route_plans.setdefault(("to", k, tuple(st.items)), {})
-                st.fulls, st.mine = self._exchange(
+                fulls, st.mine = self._exchange(
                     st, "a2a_to_home", dom,
-                    lambda: to_homes(st.packed, homes, pds, shapes, dom, fused=self.config.fused_a2a, plan=plan),
+                    lambda: to_homes(packed, homes, pds, shapes, dom, fused=self.config.fused_a2a, plan=plan),
                 )
+        st.fulls = list(fulls) + [st.packed[j] for j, m in enumerate(mps) if m.replicated]
 
     def _ns_task(self, st: WaveState) -> None:
         if st.empty:
@@ -282,19 +292,28 @@ class WavePipeline:
         if st.empty:
             return
         mps = [self.muon[i] for i in st.items]
-        pds, shapes = [m.partition_dim for m in mps], [m.full_shape for m in mps]
+        ex = [j for j, m in enumerate(mps) if not m.replicated]
+        rep = [j for j, m in enumerate(mps) if m.replicated]
+        outs, rep_outs = st.outs[:len(st.mine)], st.outs[len(st.mine):]  # see _to_home_task's order
+        packed = [st.packed[j] for j in ex]
+        pds, shapes = [mps[j].partition_dim for j in ex], [mps[j].full_shape for j in ex]
         dom = self.dom_from
+        updates: list[Tensor] = []
         with prof_range(wave_range_name(st.wave.index, "a2a_from_home"), nvtx=self.config.nvtx):
-            if self.config.mode == "duplicated":
-                st.updates = [local_shard(o, pd, dom) for o, pd in zip(st.outs, pds)]
+            if not ex:
+                pass
+            elif self.config.mode == "duplicated":
+                updates = [local_shard(o, pd, dom) for o, pd in zip(outs, pds)]
             else:
-                homes = [st.wave.homes[i] for i in st.items]
+                homes = [st.wave.homes[st.items[j]] for j in ex]
                 plan = self._route_plans.setdefault(("from", st.wave.index, tuple(st.items)), {})
-                st.updates = self._exchange(
+                updates = self._exchange(
                     st, "a2a_from_home", dom,
-                    lambda: from_homes(st.outs, st.mine, st.packed, homes, pds, shapes, dom,
+                    lambda: from_homes(outs, st.mine, packed, homes, pds, shapes, dom,
                                        fused=self.config.fused_a2a, plan=plan),
                 )
+        by_pos = dict(zip(ex, updates)) | dict(zip(rep, rep_outs))
+        st.updates = [by_pos[j] for j in range(len(mps))]
         if self._eager_release:
             st.outs = st.packed = None
 

@@ -394,3 +394,131 @@ def test_apply_update_on_every_block_equals_full_matrix_apply(dtype):
                         if not torch.equal(shard, exp[r0:r0 + nr, c0:c0 + nc]):
                             bad.append((shape, float(lr), R, T, pd, g, t))
     assert not bad, bad[:10]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. plain (non-DTensor) params on a mesh or with groups: replicated over the domain, NS locally
+# 10. hand-built DTensors whose row order is not FSDP2's: a clear error
+# ---------------------------------------------------------------------------------------------------------------
+def _partial_dtensor_model(full: TinyNet, R: int, T: int):
+    """TinyNet on a ("remat", "tp") mesh where ``proj`` is left out of the TP plan AND out of FSDP2 (each other
+    linear gets its own ``fully_shard``, the root none): ``proj.weight`` stays a plain replicated Parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (R, T), mesh_dim_names=("remat", "tp"))
+    model = TinyNet()
+    model.load_state_dict(full.state_dict())
+    if T > 1:
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "gate": ColwiseParallel(),
+                                               "down": RowwiseParallel(),
+                                               "out": ColwiseParallel(output_layouts=Replicate())})
+    if R > 1:
+        for name in ("up", "gate", "down", "out"):
+            fully_shard(getattr(model, name), mesh=mesh["remat"])
+    return model, mesh
+
+
+def _replicated_body(rank, world, R, T):
+    from tests.models import PARTITION, block, explicit_groups, set_grad
+    from tests.test_parity import _grads, _reference
+
+    g, t = divmod(rank, T)
+    failures = []
+    for form in ("dtensor", "plain"):
+        for overlap in (False, True):
+            init, ref, mu = _reference("original")
+            full = TinyNet()
+            full.load_state_dict(init)
+            if form == "dtensor":
+                model, mesh = _partial_dtensor_model(full, R, T)
+                kw = dict(device_mesh=mesh)
+            else:  # plain blocks with partition_dim, except proj: the whole matrix, no partition_dim
+                from tests.models import build_plain_model
+
+                model = build_plain_model(full, R, T, g, t)
+                model.proj.weight = nn.Parameter(full.proj.weight.detach().clone())
+                kw = dict(zip(("tp_group", "remat_group"), explicit_groups(R, T, g, t)))
+            opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, overlap=overlap, lr=0.02, weight_decay=0.1, **kw)
+            rep = [m.name for m in opt._muon if m.replicated]
+            if rep != ["proj.weight"]:
+                failures.append(f"{form} {overlap}: replicated params {rep}")
+            for s in range(3):
+                gs = _grads(full, s)
+                for n, p in model.named_parameters():
+                    pd = PARTITION.get(n) if n != "proj.weight" else None
+                    if n == "proj.weight" or not hasattr(p, "device_mesh") and not hasattr(p, "partition_dim"):
+                        p.grad = gs[n].clone()
+                    else:
+                        set_grad(p, gs[n], pd, R, T, g, t)
+                opt.step()
+            opt.synchronize()
+            refp = dict(ref.named_parameters())
+            for n, p in model.named_parameters():
+                exp = refp[n].detach()
+                if n in PARTITION and n != "proj.weight":
+                    exp = block(exp, PARTITION[n], R, T, g, t)
+                got = local(p).detach() if n in PARTITION else (p.full_tensor() if hasattr(p, "full_tensor") else p)
+                if not torch.equal(got.detach(), exp):
+                    failures.append(f"{form} overlap={overlap} {R}x{T}: {n}")
+            # proj's NS ran on every rank (locally), the others once in the domain
+            opt.close()
+    return failures
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("R,T", [(1, 2), (2, 1), (2, 2)], ids=["1x2", "2x1", "2x2"])
+def test_plain_param_on_a_mesh_is_replicated(R, T):
+    """Bug: a TP model whose plan leaves a linear out (a plain Parameter on every rank) was rejected ("has no
+    partition_dim attribute"). Now a plain param without partition_dim, on a mesh or with groups, is replicated
+    over the domain, also over remat (FSDP2 not applied to its module); its NS runs locally. DTensor (partial TP
+    plan, per-module fully_shard) and plain-block forms, sync and overlap, equal to torch.optim.Muon + AdamW."""
+    res = run_ranks(_replicated_body, R * T, R, T, timeout=200)
+    failures = [f for r in res for f in r]
+    assert not failures, failures[:10]
+
+
+def _placement_errors_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("remat", "tp"))
+    out = {}
+    for key, placements in {"shard0_shard0": (Shard(0), Shard(0)), "replicate_shard0": (Replicate(), Shard(0)),
+                            "replicate_replicate": (Replicate(), Replicate())}.items():
+        lin = nn.Linear(6, 8, bias=False)
+        torch.manual_seed(0)
+        w = torch.randn(8, 6)
+        lin.weight = nn.Parameter(distribute_tensor(w.clone(), mesh, placements))  # Replicate may alias w
+        model = nn.Sequential(lin)
+        try:
+            opt = OverlapMuon(model, device_mesh=mesh, overlap=False)
+        except ValueError as e:
+            out[key] = str(e)
+            continue
+        lin.weight.grad = distribute_tensor(torch.randn(8, 6, generator=torch.Generator().manual_seed(1)), mesh,
+                                            placements)
+        opt.step()
+        ref = nn.Parameter(w.clone())
+        ref.grad = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+        torch.optim.Muon([ref]).step()
+        out[key] = bool(torch.equal(lin.weight.full_tensor(), ref.detach()))
+        opt.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_hand_built_dtensor_placements():
+    """Bug: ``distribute_tensor(w, mesh, (Shard(0), Shard(0)))`` on a 2x2 ("remat", "tp") mesh was accepted, but
+    its rows are in remat-major order while the runtime assumes FSDP2's ``_StridedShard`` order: NS saw a
+    row-permuted matrix (max diff 6e-5). Now rejected on every rank with the param and the placement expected;
+    TP-sharded but remat-replicated is rejected too; replicated on both dims is supported (NS locally)."""
+    res = run_ranks(_placement_errors_body, 4, timeout=90)
+    for r in res:
+        msg = r["shard0_shard0"]
+        assert isinstance(msg, str) and "'0.weight'" in msg and "_StridedShard(dim=0, split_factor=2)" in msg, msg
+        msg = r["replicate_shard0"]
+        assert isinstance(msg, str) and "'0.weight'" in msg and "replicated over 'remat'" in msg, msg
+        assert r["replicate_replicate"] is True

@@ -75,7 +75,8 @@ class OverlapMuon(torch.optim.Optimizer):
         muon_filter: ``(name, param) -> bool`` picking Muon params; default: 2-D weights of ``nn.Linear``.
         device_mesh: a 2-D ``DeviceMesh`` with dims ``("remat", "tp")``, or 1-D (dim named ``"tp"``: TP only,
             else remat only), over which the Muon params are DTensors.
-        tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``).
+        tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``; a plain
+            param without one holds the whole matrix and is replicated: [Note: replicated params] in ``domain.py``).
         mode, fused_a2a, batch_ns, balance, overlap, wave_slots, side_streams, nvtx, pg_timeout_s,
             readiness_order, skip_nonfinite, check_grad_presence: options (``overlap_muon.config``); ``None``
             takes the environment variable or the default.

@@ -126,9 +126,11 @@ class WaveState:
     packed: list[Tensor] | None = None
     """Shards, bf16: the NS inputs sent to the homes (``to_home``; released after ``from_home``)."""
     fulls: list[Tensor] | None = None
-    """(P, Q) bf16: matrices assembled on this rank's homes (``to_home``; released after NS)."""
+    """(P, Q) bf16: matrices assembled on this rank's homes, then the NS inputs of the wave's replicated params
+    (NS'd locally, [Note: replicated params] in ``domain.py``) (``to_home``; released after NS)."""
     mine: list[int] | None = None
-    """Positions in ``items`` of the matrices homed on this rank (``to_home``)."""
+    """Of the wave's exchanged (not replicated) params, in ``items`` order, the positions of those homed on this rank
+    (``to_home``); ``fulls[:len(mine)]`` are theirs."""
     outs: list[Tensor] | None = None
     """(P, Q) bf16: NS results on this rank's homes (``compute``; released after ``from_home``)."""
     updates: list[Tensor] | None = None

@@ -35,8 +35,9 @@ one ``add_`` of the full shape and layout on probe values whose two roundings di
 count), and gives each element of the shard that path's result: the strided kernel itself when every element is
 element-by-element (tall matrices: the update is handed over with a non-unit inner stride), else the vectorized
 formula with the element-by-element one at the tail positions. fp32 and fp16 params (fp32 arithmetic on both
-paths, fused multiply-add) and CUDA (both paths compute in fp32 with an fp32 ``alpha``) are path-independent and
-take a plain ``add_``. The lerps and ``mul_`` of the other steps are path-independent for every dtype (checked).
+paths, fused multiply-add; measured) take a plain ``add_``, and so does CUDA, whose add kernel applies one fp32
+functor on every path (read in the ATen source, not measured: no GPU was at hand). The lerps and ``mul_`` of the
+other steps are path-independent for every dtype (measured on CPU).
 """
 
 from __future__ import annotations

@@ -341,20 +341,91 @@ def _layout_body(rank, world, R, T, dtype_names, steps=3):
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.fixture(scope="module")
+def layout_results():
+    """One 2x2 spawn for every dtype x layout case, sync and overlap: ``{(dtype, overlap, case): differing elements
+    summed over the ranks}``."""
+    res = run_ranks(_layout_body, 4, 2, 2, list(DTYPES), timeout=240)
+    total: dict = {}
+    for r in res:
+        for k, v in r.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_apply_bitwise_every_dtype_and_layout(dtype):
+def test_apply_bitwise_every_dtype_and_layout(layout_results, dtype, case):
     """Bug: bf16 tall matrices differed from torch.optim.Muon by one bf16 ulp in some elements under TP or FSDP2
     (world 1 was exact). torch applies ``param.add_(O, alpha=...)`` with ``O`` a transposed view for tall
     matrices, which the CPU kernel runs element by element (the bf16 product ``alpha*O`` rounded to bf16 before
     the add), and a contiguous ``O`` vectorized (one rounding), except the tail of each thread chunk. The apply
-    now reproduces, element by element, the path torch's kernel takes on the full matrix. One test per dtype;
-    inside it every shape (tall, wide, square, 1-row shards, a single column) x TP partition_dim 0/1/None,
-    sync and overlap, on a 2x2 domain: every count of differing elements must be 0."""
-    res = run_ranks(_layout_body, 4, 2, 2, [dtype], timeout=200)
-    bad = {k: v for r in res for k, v in r.items() if v}
-    assert len(res[0]) == len(LAYOUT_CASES) * 2
-    assert not bad, bad
+    now reproduces, element by element, the path torch's kernel takes on the full matrix ([Note: the apply
+    follows torch's kernel path] in ``muon_math.py``). Measured before the fix on this 2x2 grid, bf16, 3 steps:
+    65 differing elements per mode (tall 59, wide 5, square 1); after: 0. One test per dtype x shape (tall, wide,
+    square, 1-row shards, a single column) x TP partition_dim 0/1/None, each in sync and overlap mode."""
+    for overlap in (False, True):
+        assert layout_results[(dtype, overlap, case)] == 0, (dtype, overlap, case)
+
+
+def _bf16_dtensor_body(rank, world, R, T):
+    """bf16 TinyNet as DTensors (ColwiseParallel/RowwiseParallel over tp, fully_shard over remat), gradients set
+    directly, against bf16 torch.optim.Muon + AdamW on the full model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tests.models import PARTITION, block, set_grad
+    from tests.test_parity import _grads
+
+    g, t = divmod(rank, T)
+    failures = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        ref = TinyNet().bfloat16()
+        mu = torch.optim.Muon([p for n, p in ref.named_parameters() if n in PARTITION], lr=0.02)
+        aw = torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in PARTITION], **ADAMW_KW)
+        mesh = init_device_mesh("cpu", (R, T), mesh_dim_names=("remat", "tp"))
+        model = TinyNet().bfloat16()
+        model.load_state_dict(ref.state_dict())
+        if T > 1:
+            parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "gate": ColwiseParallel(),
+                                                   "down": RowwiseParallel(),
+                                                   "out": ColwiseParallel(output_layouts=Replicate())})
+        fully_shard(model, mesh=mesh["remat"])
+        opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, overlap=overlap, lr=0.02)
+        for s in range(3):
+            gs = {n: v.bfloat16() for n, v in _grads(ref, s).items()}
+            for n, p in ref.named_parameters():
+                p.grad = gs[n].clone()
+            for n, p in model.named_parameters():
+                set_grad(p, gs[n], PARTITION.get(n), R, T, g, t)
+            opt.step()
+            mu.step()
+            aw.step()
+        opt.synchronize()
+        refp = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            if n in PARTITION:
+                got, exp = local(p).detach(), block(refp[n].detach(), PARTITION[n], R, T, g, t)
+            else:
+                got, exp = p.full_tensor().detach(), refp[n].detach()
+            if not torch.equal(got, exp):
+                failures.append(f"{R}x{T} overlap={overlap}: {n} differs in {int((got != exp).sum())} elements")
+        opt.close()
+    return failures
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("R,T", [(1, 2), (2, 1), (2, 2)], ids=["tp1x2", "fsdp2x1", "2x2"])
+def test_bf16_dtensor_tp_fsdp_bitwise(R, T):
+    """The issue's repro: bf16 weights on a 1x2 TP mesh (the tall colwise matrices differed by one ulp), under
+    FSDP2 at 2x1 (the tall ones again), and both at 2x2."""
+    res = run_ranks(_bf16_dtensor_body, R * T, R, T, timeout=180)
+    failures = [f for r in res for f in r]
+    assert not failures, failures[:10]
 
 
 def _torch_apply(full: torch.Tensor, O: torch.Tensor, lr: float, wd: float, shape) -> torch.Tensor:

@@ -593,3 +593,55 @@ def test_hand_built_dtensor_placements():
         msg = r["replicate_shard0"]
         assert isinstance(msg, str) and "'0.weight'" in msg and "replicated over 'remat'" in msg, msg
         assert r["replicate_replicate"] is True
+
+
+def _replicated_backward_body(rank, world, R, T):
+    """Real forward/backward on the partial model (proj plain and replicated): overlap equals sync."""
+    results = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model, mesh = _partial_dtensor_model(TinyNet(), R, T)
+        opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, overlap=overlap, lr=0.02, wave_slots=2)
+        for s in range(3):
+            model(X[s]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        results.append([local(p).detach().clone() for p in model.parameters()])
+        launched = opt.stats["waves_launched"]
+        opt.close()
+    return [n for n, (a, b) in enumerate(zip(*results)) if not torch.equal(a, b)], launched
+
+
+@pytest.mark.timeout(200)
+def test_replicated_param_with_backward_overlap_equals_sync():
+    """Replicated (locally NS'd) and exchanged matrices in the same waves, launched from backward hooks (2 per wave):
+    overlap mode equals sync mode on a 2x2 mesh."""
+    res = run_ranks(_replicated_backward_body, 4, 2, 2, timeout=180)
+    assert all(not bad for bad, _ in res), res
+
+
+class _Big(nn.Module):
+    """Matrices above torch's grain size (32768 elements), so its bf16 add_ runs in thread chunks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 256, bias=False)
+        self.b = nn.Linear(256, 300, bias=False)  # (300, 256) tall
+        self.c = nn.Linear(300, 256, bias=False)  # (256, 300) wide
+        self.d = nn.Linear(256, 12)
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+@pytest.mark.parametrize("overlap", MODES)
+def test_bf16_large_matrices_world1(overlap):
+    """bf16, world 1, the apply on the lane thread (overlap) or inline: matrices big enough for torch's add_ to
+    split them in thread chunks (``torch.get_num_threads()`` > 1 here) are still bitwise."""
+    model, opt, ref, mu, aw = _pair(overlap, muon_kw=dict(lr=0.02), model_fn=lambda: _Big().bfloat16())
+    for s in range(3):
+        _step_both(model, [opt], ref, [mu, aw], s)
+    opt.synchronize()
+    assert not _diff(model, ref)
+    opt.close()

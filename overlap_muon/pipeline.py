@@ -10,13 +10,17 @@
    hyper-parameters it uses) and queues three lane tasks (``overlap_muon.lanes``):
    ``to_home`` (agree on gradient presence; new momentum out of place, Nesterov, bf16 cast; ``all_to_all`` to
    the NS homes), ``compute`` (batched NS on this rank's homes) and ``from_home`` (``all_to_all`` back: this
-   rank's block of every ``O``). Nothing the user can see changes: the wave is *speculative*.
+   rank's block of every ``O``). A replicated matrix (the whole ``W`` on every rank, [Note: replicated params] in
+   ``domain.py``) skips both exchanges: every rank runs its NS in ``compute``. Nothing the user can see changes:
+   the wave is *speculative*.
 3. ``step()`` calls :meth:`WavePipeline.commit`: a wave whose gradients were edited in place since launch
    (clipping, unscaling, DDP averaging: the tensors' ``_version`` counters moved), whose set of gradients
    changed, or whose momentum/NS hyper-parameters changed is *stale*; the ranks agree on the stale set (one
    small all-reduce on the runtime's gloo group) and re-launch those waves with the current values. Then one
    ``apply`` task per wave, on the ``from_home`` lane, copies the new momentum into the buffer and applies
-   weight decay and the update with the ``lr`` and ``weight_decay`` read at that ``step()`` call.
+   weight decay and the update with the ``lr`` and ``weight_decay`` read at that ``step()`` call, each element
+   rounded as ``torch.optim.Muon``'s ``add_`` rounds it in the full matrix ([Note: the apply follows torch's
+   kernel path] in ``muon_math.py``).
 4. The next forward's pre-hook for ``W``'s module calls :meth:`WavePipeline.wait` (``[k]``): CPU: the host waits
    for the apply task; CUDA: the current stream (and FSDP2's all-gather streams) wait on its event. Then the
    wave's state is released (:meth:`WavePipeline.reap`).
@@ -434,7 +438,10 @@ class WavePipeline:
             hyper = Hyper.of(group)
             flags = torch.tensor([1 if self.stale(pending[w.index], hyper) else 0 for w in waves], dtype=torch.uint8)
             if self.ctrl_group is not None:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+                try:
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+                except Exception as e:
+                    self._raise_lane_error(pending.values(), e)
             for w, f in zip(waves, flags.tolist()):
                 if f:
                     pending[w.index] = self.launch(w, hyper)
@@ -452,6 +459,18 @@ class WavePipeline:
                 self._pending.pop(k, None)
                 self._applied[k] = st
         return reruns
+
+    def _raise_lane_error(self, states: Iterable[WaveState], cause: BaseException) -> None:
+        """A host-side agreement failed (a peer died or stalled): the waves' own exchanges with that peer fail too,
+        and their errors name the wave and the exchange; raise the first of them, else ``cause``.
+
+        Raises:
+            RuntimeError: always.
+        """
+        for st in states:
+            for h in st.handles():
+                _wait(h, ())  # raises the lane task's error, chained
+        raise RuntimeError(f"OverlapMuon step(): the ranks' agreement on stale waves failed: {cause}") from cause
 
     def discard(self) -> None:
         """Forget every uncommitted wave (``zero_grad()``, a new backward before ``step()``, a skipped step).

@@ -302,9 +302,12 @@ def describe_param(
     without a ``partition_dim`` attribute on a mesh or with groups (a linear a TP plan leaves out and FSDP2 does
     not wrap, as torchtitan and Megatron models have), or a DTensor ``Replicate`` on every mesh dim -- is
     ``replicated``: every rank already has the full matrix and (like any replicated param's optimizer) the full
-    gradient, so its NS runs **locally on every rank**, with no exchange; sending it to a home and the result back
-    would move ``2 (1 - 1/S)`` of the matrix per rank to save ``S - 1`` duplicated NS calls. Its local shape must be
-    its full shape (a ``full_shape`` attribute, if any, must agree). Gradients must agree across the ranks, as for
+    gradient, so its NS runs **locally on every rank**, with no exchange. The home-based alternative would save the
+    ``S - 1`` duplicated NS computations at the price of sending the full bf16 result from the home to the ``S - 1``
+    others (a broadcast of ``P*Q`` elements); local NS is the simplest exact choice and the cheaper one where a
+    matrix's NS costs less than that broadcast, as for the small matrices TP plans leave out (the broadcast
+    variant is not implemented). Its local shape must be its full shape (a ``full_shape`` attribute, if any, must
+    agree). Gradients must agree across the ranks, as for
     the AdamW params: the updates are computed independently. Not supported, with an error naming the fix: a
     DTensor sharded over TP but replicated over remat (FSDP2 not applied to a TP-sharded module), and
     ``Shard(0)`` on both dims of a 2-D mesh (rows in remat-major order; the runtime's layout is FSDP2's

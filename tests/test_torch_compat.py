@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from overlap_muon import OverlapMuon
@@ -107,7 +106,7 @@ def test_load_nontensor_adamw_step(overlap):
     model, opt, ref, mu, aw = _pair(overlap)
     for s in range(3):
         _step_both(model, [opt], ref, [mu, aw], s)
-    for o, where in ((opt, None), (aw, None)):
+    for o in (opt, aw):
         sd = copy.deepcopy(o.state_dict())
         n = 0
         for st in sd["state"].values():

@@ -202,6 +202,10 @@ class MuonParam:
     param: Tensor  #: nn.Parameter, DTensor or plain; its local shard is ``local_tensor(param)``
     full_shape: tuple[int, int]  #: (P, Q), the logical shape NS and the lr ratio see
     partition_dim: int | None  #: TP split: 0, 1 or None (DESIGN.md section 2)
+    replicated: bool = False
+    """The whole ``(P, Q)`` matrix on every rank of the domain (a plain param with no ``partition_dim``, or a
+    DTensor replicated over both mesh dims): its NS runs locally on every rank, no exchange ([Note: replicated
+    params])."""
     parts: list[list[int]] | None = None  #: row sets orthogonalized as separate matrices (``overlap_muon.split``)
     runs: tuple = ()  #: ``(start, stop, lr shape)`` runs of the local rows (``overlap_muon.split.apply_runs``)
 
@@ -280,9 +284,25 @@ def describe_param(
     ``Shard(0)``/``Shard(1)``/``Replicate`` on ``tp``); a plain tensor carries ``partition_dim`` (and optionally
     ``full_shape``; even splits otherwise). The local shape must be exactly this rank's :func:`block`.
 
+    [Note: replicated params] A param that holds the whole matrix on every rank of the domain -- a plain tensor
+    without a ``partition_dim`` attribute on a mesh or with groups (a linear a TP plan leaves out and FSDP2 does
+    not wrap, as torchtitan and Megatron models have), or a DTensor ``Replicate`` on every mesh dim -- is
+    ``replicated``: every rank already has the full matrix and (like any replicated param's optimizer) the full
+    gradient, so its NS runs **locally on every rank**, with no exchange. The home-based alternative would save the
+    ``S - 1`` duplicated NS computations at the price of sending the full bf16 result from the home to the ``S - 1``
+    others (a broadcast of ``P*Q`` elements); local NS is the simplest exact choice and the cheaper one where a
+    matrix's NS costs less than that broadcast, as for the small matrices TP plans leave out (the broadcast
+    variant is not implemented). Its local shape must be its full shape (a ``full_shape`` attribute, if any, must
+    agree). Gradients must agree across the ranks, as for
+    the AdamW params: the updates are computed independently. Not supported, with an error naming the fix: a
+    DTensor sharded over TP but replicated over remat (FSDP2 not applied to a TP-sharded module), and
+    ``Shard(0)`` on both dims of a 2-D mesh (rows in remat-major order; the runtime's layout is FSDP2's
+    ``_StridedShard`` order, rank ``(g, t)`` holding row block ``t*R + g``).
+
     Returns:
         ``(MuonParam, None)``, or ``(None, message)`` naming the param, its shape and the expectation.
     """
+    replicated = False
     if isinstance(p, DTensor):
         pl = p.placements
         names = tuple(p.device_mesh.mesh_dim_names or ())
@@ -305,10 +325,27 @@ def describe_param(
             )
         remat_pl = by_name.get(remat_name, Replicate()) if remat_name else Replicate()
         tp_pl = by_name.get("tp", Replicate())
-        if R > 1 and not _is_strided_or_shard0(remat_pl):
+        tp_sharded = T > 1 and not isinstance(tp_pl, Replicate)
+        if R > 1 and isinstance(remat_pl, Replicate) and not tp_sharded:
+            replicated = True  # [Note: replicated params]
+        elif R > 1 and isinstance(remat_pl, Replicate):
+            return None, (
+                f"Muon param {name!r} (shape {full}) has placements {tuple(pl)} on mesh dims {names}: sharded over "
+                f"'tp' ({tp_pl}) but replicated over 'remat'; apply fully_shard over the 'remat' dim to its module "
+                "(placements (_StridedShard(0) or Shard(0), Shard(0 or 1))), or leave it out of the TP plan"
+            )
+        elif R > 1 and not _is_strided_or_shard0(remat_pl):
             return None, (
                 f"Muon param {name!r} (shape {full}) has placement {remat_pl} on the remat dim; expected "
                 "Shard(0) (FSDP2 fully_shard)"
+            )
+        elif (R > 1 and T > 1 and isinstance(tp_pl, Shard) and tp_pl.dim == 0
+              and not isinstance(remat_pl, _StridedShard)):
+            return None, (
+                f"Muon param {name!r} (shape {full}) has placements {tuple(pl)} on mesh dims {names}: Shard(0) on "
+                f"both dims puts row block g*T + t on rank (g, t), but the runtime needs FSDP2's row order (block "
+                f"t*R + g): placements (_StridedShard(dim=0, split_factor={T}), Shard(dim=0)), which "
+                "ColwiseParallel over 'tp' then fully_shard over 'remat' produce"
             )
         if T > 1:
             if isinstance(tp_pl, Shard) and tp_pl.dim in (0, 1):
@@ -320,16 +357,19 @@ def describe_param(
         else:
             pd = None
     else:
+        a, b = int(p.shape[0]), int(p.shape[1])
+        fs = getattr(p, "full_shape", None)
+        if R * T > 1 and not hasattr(p, "partition_dim") and (fs is None or tuple(int(v) for v in fs) == (a, b)):
+            return MuonParam(index, name, p, (a, b), None, replicated=True), None  # [Note: replicated params]
         pd = getattr(p, "partition_dim", None) if T > 1 else None
-        if T > 1 and not hasattr(p, "partition_dim"):
-            return None, (
-                f"Muon param {name!r} with local shape {tuple(p.shape)} has no partition_dim attribute; "
-                f"plain tensors on a {R}x{T} domain need partition_dim in {{0, 1, None}}"
-            )
         if pd not in (0, 1, None):
             return None, f"Muon param {name!r} has partition_dim={pd!r}; expected 0, 1 or None"
-        fs = getattr(p, "full_shape", None)
-        a, b = int(p.shape[0]), int(p.shape[1])
+        if T > 1 and not hasattr(p, "partition_dim"):
+            return None, (
+                f"Muon param {name!r} has local shape {(a, b)} and full_shape {tuple(fs)} but no partition_dim "
+                f"attribute; on a {R}x{T} domain a plain shard needs partition_dim in {{0, 1, None}} (a plain param "
+                "without one must hold the whole matrix: it is then replicated over the domain)"
+            )
         if fs is not None:
             full = (int(fs[0]), int(fs[1]))
         elif pd == 0:
@@ -338,11 +378,11 @@ def describe_param(
             full = (a * R, b * T)
         else:
             full = (a * R, b)
-    expected = block_shape(full, pd, R, T, g, t)
+    expected = full if replicated else block_shape(full, pd, R, T, g, t)
     loc = tuple(local_tensor(p).shape)
     if loc != expected:
         return None, (
             f"Muon param {name!r} has local shape {loc}, expected {expected} for full shape {full}, "
             f"partition_dim={pd} on a {R}x{T} domain at (g={g}, t={t})"
         )
-    return MuonParam(index, name, p, full, pd), None
+    return MuonParam(index, name, p, full, pd, replicated=replicated), None

@@ -16,13 +16,39 @@ torch.optim.Muon               here
 
 ``lr`` may be a Python float or a 0-d tensor (torch keeps a tensor lr as a tensor, so ``1 - lr * wd`` and the
 adjusted lr are computed in its dtype); both are passed through unchanged.
+
+[Note: the apply follows torch's kernel path] ``param.add_(O, alpha=a)`` on a bf16 CPU param has two kernel
+paths that round differently (torch 2.13, measured on AVX512 and matching the ATen source):
+
+* vectorized (every operand contiguous): ``bf16(fp32(p) + bf16(a) * fp32(O))``, one rounding to bf16 (the product
+  of two bf16 numbers is exact in fp32);
+* element by element (an operand strided, and the tail of each vectorized run: the last ``n mod B`` elements of
+  every thread chunk, ``B`` the vector width, 32 bf16 elements on AVX512): ``bf16(p + bf16(bf16(a) * O))``, the
+  product rounded to bf16 first.
+
+torch.optim.Muon applies the update of the FULL matrix: for a tall one (``P > Q``) ``O`` is the transpose of a
+contiguous ``(Q, P)`` NS result, so every element takes the element-by-element path; otherwise ``O`` is contiguous
+and only the tails do. Which elements are tails depends on the full shape, the vector width and the thread
+count, not on the shard a rank holds, so applying a contiguous shard rounds some elements differently (one bf16
+ulp; measured: 65 elements of 15 matrices in 3 steps on a 2x2 domain, tall ones mostly). :func:`apply_update`
+therefore asks torch's own kernel which path each element of the full matrix takes (:func:`_scalar_path_elements`:
+one ``add_`` of the full shape and layout on probe values whose two roundings differ, cached per shape and thread
+count), and gives each element of the shard that path's result: the strided kernel itself when every element is
+element-by-element (tall matrices: the update is handed over with a non-unit inner stride), else the vectorized
+formula with the element-by-element one at the tail positions. fp32 and fp16 params (fp32 arithmetic on both
+paths, fused multiply-add; measured) take a plain ``add_``, and so does CUDA, whose add kernel applies one fp32
+functor on every path (read in the ATen source, not measured: no GPU was at hand). The lerps and ``mul_`` of the
+other steps are path-independent for every dtype (measured on CPU).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .ns import _schedule, adjusted_lr
@@ -92,17 +118,102 @@ def ns_input(grad: Tensor, new_buf: Tensor, momentum: float, nesterov: bool) -> 
 
 def apply_update(
     param: Tensor, update: Tensor, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None,
-    full_shape: Sequence[int],
+    full_shape: Sequence[int], region: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Decoupled weight decay, then the scaled orthogonalized update, in place on a param shard.
 
+    Every element ends up bitwise equal to what ``param.mul_(1 - lr * wd); param.add_(O, alpha=-lr')`` of
+    ``torch.optim.Muon`` gives it on the full matrix, whatever block of the matrix this rank holds ([Note: the
+    apply follows torch's kernel path]).
+
     Args:
         param: the local param shard (any float dtype), updated in place.
-        update: this rank's block of ``O = zeropower(U)`` (bf16), same shape as ``param``.
+        update: this rank's block of ``O = zeropower(U)`` (bf16), same shape as ``param``, any layout.
         lr: the learning rate now (float or 0-d tensor, as the param group holds it).
         weight_decay: ``lambda``.
         adjust_lr_fn: ``None``/``"original"``/``"match_rms_adamw"`` (:func:`overlap_muon.ns.adjusted_lr`).
         full_shape: the FULL logical ``(P, Q)`` of the matrix, never the shard's.
+        region: ``(row0, rows, col0, cols)`` of the shard in the full matrix (``overlap_muon.domain.block``);
+            ``None``: the shard is the whole matrix.
     """
     param.mul_(1 - lr * weight_decay)
-    param.add_(update, alpha=-adjusted_lr(lr, adjust_lr_fn, full_shape))
+    alpha = -adjusted_lr(lr, adjust_lr_fn, full_shape)
+    if param.dtype == torch.bfloat16 and update.dtype == torch.bfloat16 and param.device.type == "cpu":
+        _add_like_full_matrix(param, update, alpha, (int(full_shape[0]), int(full_shape[1])), region)
+    else:
+        param.add_(update, alpha=alpha)
+
+
+# Probe values for _scalar_path_elements: p + a*u with a = u = 1 + 2^-7 and p = 2^-8 (all exact in bf16). In fp32,
+# p + a*u = 1 + 2^-6 + 2^-8 + 2^-14, which rounds to bf16 as 1 + 3*2^-7; rounding a*u to bf16 first drops the 2^-14
+# and leaves an exact tie, which rounds to even: 1 + 2^-6. So the result tells the two kernel paths apart.
+_PROBE_P, _PROBE_U = 2.0**-8, 1.0 + 2.0**-7
+_PROBE_VECTOR, _PROBE_SCALAR = 1.0 + 3 * 2.0**-7, 1.0 + 2.0**-6
+_ALL = "all"
+
+
+@functools.lru_cache(maxsize=512)
+def _scalar_path_elements(P: int, Q: int, threads: int) -> Tensor | str | None:
+    """Which elements of a full ``(P, Q)`` bf16 matrix torch.optim.Muon's ``param.add_(O, alpha)`` computes element
+    by element on this CPU (``threads``: ``torch.get_num_threads()``, part of the cache key because the thread
+    chunks move the tails).
+
+    Runs that ``add_`` once, with torch's layouts (contiguous param; ``O`` the transpose of a contiguous ``(Q, P)``
+    tensor when ``P > Q``), on probe values whose two paths round differently.
+
+    Returns:
+        ``"all"`` (every element), an int64 tensor of flat indices ``i*Q + j`` (possibly empty), or ``None`` when
+        the probe recognises neither rounding (then a plain ``add_`` is used, with a warning).
+    """
+    p = torch.full((P, Q), _PROBE_P, dtype=torch.bfloat16)
+    u = torch.full((Q, P) if P > Q else (P, Q), _PROBE_U, dtype=torch.bfloat16)
+    p.add_(u.mT if P > Q else u, alpha=_PROBE_U)
+    scalar = p == _PROBE_SCALAR
+    if not bool((scalar | (p == _PROBE_VECTOR)).all()):
+        warnings.warn("OverlapMuon: this CPU's bf16 add_ kernel rounds neither way the apply knows; bf16 params "
+                      "may differ from torch.optim.Muon in the last bit", stacklevel=3)
+        return None
+    if bool(scalar.all()):
+        return _ALL
+    return scalar.flatten().nonzero().flatten()
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_positions(P: int, Q: int, threads: int, region: tuple[int, int, int, int]) -> Tensor | str | None:
+    """:func:`_scalar_path_elements` restricted to ``region`` = ``(row0, rows, col0, cols)``, as flat indices into
+    the ``(rows, cols)`` shard (``"all"`` and ``None`` pass through)."""
+    full = _scalar_path_elements(P, Q, threads)
+    if not isinstance(full, Tensor):
+        return full
+    r0, rows, c0, cols = region
+    i, j = full // Q, full % Q
+    inside = (i >= r0) & (i < r0 + rows) & (j >= c0) & (j < c0 + cols)
+    return (i[inside] - r0) * cols + (j[inside] - c0)
+
+
+def _add_like_full_matrix(
+    param: Tensor, update: Tensor, alpha: float | Tensor, full_shape: tuple[int, int],
+    region: tuple[int, int, int, int] | None,
+) -> None:
+    """``param.add_(update, alpha)`` on a bf16 CPU shard, each element rounded the way torch's kernel rounds it in the
+    full matrix ([Note: the apply follows torch's kernel path])."""
+    P, Q = full_shape
+    region = (0, P, 0, Q) if region is None else tuple(int(v) for v in region)
+    where = _local_positions(P, Q, torch.get_num_threads(), region)
+    if where is None:
+        param.add_(update, alpha=alpha)
+        return
+    if where == _ALL:
+        # torch's own strided kernel: hand the update over with inner stride 2, which no size can make contiguous
+        strided = torch.empty((*update.shape, 2), dtype=update.dtype, device=update.device)[..., 0]
+        strided.copy_(update)
+        param.add_(strided, alpha=alpha)
+        return
+    # alpha as the kernel sees it: the Python number (or the 0-d tensor's value) cast to fp32, then to bf16
+    a = float(torch.tensor(float(alpha), dtype=torch.float32).bfloat16())
+    pf, uf = param.float(), update.float()
+    out = torch.add(pf, uf, alpha=a)  # vectorized path: a * u is exact in fp32, one rounding to fp32
+    if where.numel():
+        flat_p, flat_u = pf.reshape(-1)[where], uf.reshape(-1)[where]
+        out.view(-1)[where] = flat_p + (flat_u * a).bfloat16().float()  # element path: product rounded to bf16
+    param.copy_(out)  # fp32 -> bf16, round to nearest even (both kernel paths end with this conversion)

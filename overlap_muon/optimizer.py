@@ -93,7 +93,8 @@ class OverlapMuon(torch.optim.Optimizer):
         muon_filter: ``(name, param) -> bool`` picking Muon params; default: 2-D weights of ``nn.Linear``.
         device_mesh: a 2-D ``DeviceMesh`` with dims ``("remat", "tp")``, or 1-D (dim named ``"tp"``: TP only,
             else remat only), over which the Muon params are DTensors.
-        tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``).
+        tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``; a plain
+            param without one holds the whole matrix and is replicated: [Note: replicated params] in ``domain.py``).
         mode, fused_a2a, batch_ns, balance, overlap, wave_slots, side_streams, nvtx, pg_timeout_s,
             readiness_order, skip_nonfinite, check_grad_presence: options (``overlap_muon.config``); ``None``
             takes the environment variable or the default.
@@ -165,8 +166,9 @@ class OverlapMuon(torch.optim.Optimizer):
         self._muon = [mp for mp, err in described if mp is not None]
         for mp in self._muon:
             mp.parts, err = resolve_split(split, mp.name, mp.param, mp.full_shape)
-            row0, rows, _, _ = block(mp.full_shape, mp.partition_dim, R, T, g, t)
-            mp.runs = apply_runs(mp.parts, mp.full_shape, row0, rows)
+            shard = (0, mp.full_shape[0], 0, mp.full_shape[1]) if mp.replicated else block(
+                mp.full_shape, mp.partition_dim, R, T, g, t)
+            mp.runs = apply_runs(mp.parts, mp.full_shape, shard)
             errors += [err] if err else []
         if max_grad_norm is not None and R * T > 1 and any(not isinstance(m.param, DTensor) for m in self._muon):
             errors.append("max_grad_norm needs DTensor params on a multi-rank domain (a plain shard's norm cannot "
@@ -507,6 +509,9 @@ class OverlapMuon(torch.optim.Optimizer):
         """Waits for in-flight waves, checks the checkpoint fits, then loads (the inner AdamW keeps sharing the
         loaded state and groups).
 
+        An AdamW ``step`` saved as a plain number (older checkpoints) is converted to a tensor, as
+        ``torch.optim.AdamW.load_state_dict`` does.
+
         Raises:
             ValueError: the checkpoint's Muon param names, full shapes, partition dims or group sizes differ from
                 this optimizer's, or a state tensor's shape differs from its param's. Nothing is changed then.
@@ -518,6 +523,10 @@ class OverlapMuon(torch.optim.Optimizer):
             raise ValueError("OverlapMuon.load_state_dict: checkpoint does not fit; nothing loaded: " + "; ".join(errors))
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "overlap_muon"})
         self._link_adamw()
+        if self._adamw is not None:
+            # What AdamW.load_state_dict does after loading (it calls its __setstate__): a plain-number ``step``
+            # of an older checkpoint becomes the singleton tensor its step() requires, group flags get defaults.
+            self._adamw.__setstate__({"state": self.state, "param_groups": self.param_groups[1:]})
 
     def attach_ddp(self, ddp_model: nn.Module) -> None:
         """Take gradient readiness from a DDP comm hook instead of the per-param hooks.

@@ -10,20 +10,24 @@
    hyper-parameters it uses) and queues three lane tasks (``overlap_muon.lanes``):
    ``to_home`` (agree on gradient presence; new momentum out of place, Nesterov, bf16 cast; ``all_to_all`` to
    the NS homes), ``compute`` (batched NS on this rank's homes) and ``from_home`` (``all_to_all`` back: this
-   rank's block of every ``O``). Nothing the user can see changes: the wave is *speculative*.
+   rank's block of every ``O``). A replicated matrix (the whole ``W`` on every rank, [Note: replicated params] in
+   ``domain.py``) skips both exchanges: every rank runs its NS in ``compute``. Nothing the user can see changes:
+   the wave is *speculative*.
 3. ``step()`` calls :meth:`WavePipeline.commit`: a wave whose gradients were edited in place since launch
    (clipping, unscaling, DDP averaging: the tensors' ``_version`` counters moved), whose set of gradients
    changed, or whose momentum/NS hyper-parameters changed is *stale*; the ranks agree on the stale set (one
    small all-reduce on the runtime's gloo group) and re-launch those waves with the current values. Then one
    ``apply`` task per wave, on the ``from_home`` lane, copies the new momentum into the buffer and applies
-   weight decay and the update with the ``lr`` and ``weight_decay`` read at that ``step()`` call.
+   weight decay and the update with the ``lr`` and ``weight_decay`` read at that ``step()`` call, each element
+   rounded as ``torch.optim.Muon``'s ``add_`` rounds it in the full matrix ([Note: the apply follows torch's
+   kernel path] in ``muon_math.py``).
 4. The next forward's pre-hook for ``W``'s module calls :meth:`WavePipeline.wait` (``[k]``): CPU: the host waits
    for the apply task; CUDA: the current stream (and FSDP2's all-gather streams) wait on its event. Then the
    wave's state is released (:meth:`WavePipeline.reap`).
 
 [Note: release on time] (DESIGN.md invariant 9) A :class:`WaveState` names every tensor the wave holds. On CPU
 each task drops what the next one no longer needs (the full matrices after NS, the NS results and packed
-momenta after the scatter, the gradients, new momenta and update blocks after the apply), and the state leaves
+momenta after the scatter, the gradients and update blocks after the apply), and the state leaves
 the pipeline at the first wait or reap after its apply. On CUDA a tensor read on another stream than the one
 that allocated it must live until that stream is done with it (invariant 5, no ``record_stream``), so the state
 keeps all of them until its apply event has completed (``event.query()``, never a host sync) and is released
@@ -128,9 +132,11 @@ class WaveState:
     packed: list[Tensor] | None = None
     """Shards, bf16: the NS inputs sent to the homes (``to_home``; released after ``from_home``)."""
     fulls: list[Tensor] | None = None
-    """(P, Q) bf16: matrices assembled on this rank's homes (``to_home``; released after NS)."""
+    """(P, Q) bf16: matrices assembled on this rank's homes, then the NS inputs of the wave's replicated params
+    (NS'd locally, [Note: replicated params] in ``domain.py``) (``to_home``; released after NS)."""
     mine: list[int] | None = None
-    """Positions in ``items`` of the matrices homed on this rank (``to_home``)."""
+    """Of the wave's exchanged (not replicated) params, in ``items`` order, the positions of those homed on this rank
+    (``to_home``); ``fulls[:len(mine)]`` are theirs."""
     outs: list[Tensor] | None = None
     """(P, Q) bf16: NS results on this rank's homes (``compute``; released after ``from_home``)."""
     updates: list[Tensor] | None = None
@@ -255,18 +261,27 @@ class WavePipeline:
             # (the same op on the same values: bitwise the same), so a speculative wave holds no momentum copy.
             st.packed = [ns_input(g, momentum_update(b, g, h.momentum), h.momentum, h.nesterov)
                          for b, g in zip(bufs, grads)]
-        pds, shapes = [m.partition_dim for m in mps], [m.full_shape for m in mps]
+        # Replicated params ([Note: replicated params] in domain.py) skip the exchanges: their NS input is the full
+        # matrix already. The exchanged ones come first in ``fulls``, the replicated ones after them.
+        ex = [j for j, m in enumerate(mps) if not m.replicated]
+        packed = [st.packed[j] for j in ex]
+        pds, shapes = [mps[j].partition_dim for j in ex], [mps[j].full_shape for j in ex]
+        fulls: list[Tensor] = []
+        st.mine = []
         with prof_range(wave_range_name(k, "a2a_to_home"), nvtx=self.config.nvtx):
-            if self.config.mode == "duplicated":
-                st.fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(st.packed, pds, shapes, dom))
-                st.mine = list(range(len(mps)))
+            if not ex:
+                pass  # every rank has the same items (gradient presence is agreed), so every rank skips
+            elif self.config.mode == "duplicated":
+                fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(packed, pds, shapes, dom))
+                st.mine = list(range(len(ex)))
             else:
-                homes = [st.wave.homes[i] for i in st.items]
+                homes = [st.wave.homes[st.items[j]] for j in ex]
                 plan = self._route_plans.setdefault(("to", k, tuple(st.items)), {})
-                st.fulls, st.mine = self._exchange(
+                fulls, st.mine = self._exchange(
                     st, "a2a_to_home", dom,
-                    lambda: to_homes(st.packed, homes, pds, shapes, dom, fused=self.config.fused_a2a, plan=plan),
+                    lambda: to_homes(packed, homes, pds, shapes, dom, fused=self.config.fused_a2a, plan=plan),
                 )
+        st.fulls = list(fulls) + [st.packed[j] for j, m in enumerate(mps) if m.replicated]
 
     def _ns_task(self, st: WaveState) -> None:
         if st.empty:
@@ -276,7 +291,10 @@ class WavePipeline:
         kw = dict(ns_coefficients=h.ns_coefficients, ns_steps=h.ns_steps, eps=h.eps, syrk=self.config.syrk)
         with prof_range(wave_range_name(st.wave.index, "ns"), nvtx=self.config.nvtx):
             wrap = self.testing.ns_wrap
-            parts = [self.muon[st.items[j]].parts for j in st.mine]
+            # fulls: the exchanged matrices homed here (positions ex[st.mine]), then the replicated ones
+            mps = [self.muon[i] for i in st.items]
+            ex = [j for j, m in enumerate(mps) if not m.replicated]
+            parts = [mps[ex[j]].parts for j in st.mine] + [m.parts for m in mps if m.replicated]
             st.outs = split_ns(st.fulls, parts,
                                lambda mats: wrap(self._ns_many, mats, kw) if wrap else self._ns_many(mats, kw))
         if self._eager_release:
@@ -286,19 +304,28 @@ class WavePipeline:
         if st.empty:
             return
         mps = [self.muon[i] for i in st.items]
-        pds, shapes = [m.partition_dim for m in mps], [m.full_shape for m in mps]
+        ex = [j for j, m in enumerate(mps) if not m.replicated]
+        rep = [j for j, m in enumerate(mps) if m.replicated]
+        outs, rep_outs = st.outs[:len(st.mine)], st.outs[len(st.mine):]  # see _to_home_task's order
+        packed = [st.packed[j] for j in ex]
+        pds, shapes = [mps[j].partition_dim for j in ex], [mps[j].full_shape for j in ex]
         dom = self.dom_from
+        updates: list[Tensor] = []
         with prof_range(wave_range_name(st.wave.index, "a2a_from_home"), nvtx=self.config.nvtx):
-            if self.config.mode == "duplicated":
-                st.updates = [local_shard(o, pd, dom) for o, pd in zip(st.outs, pds)]
+            if not ex:
+                pass
+            elif self.config.mode == "duplicated":
+                updates = [local_shard(o, pd, dom) for o, pd in zip(outs, pds)]
             else:
-                homes = [st.wave.homes[i] for i in st.items]
+                homes = [st.wave.homes[st.items[j]] for j in ex]
                 plan = self._route_plans.setdefault(("from", st.wave.index, tuple(st.items)), {})
-                st.updates = self._exchange(
+                updates = self._exchange(
                     st, "a2a_from_home", dom,
-                    lambda: from_homes(st.outs, st.mine, st.packed, homes, pds, shapes, dom,
+                    lambda: from_homes(outs, st.mine, packed, homes, pds, shapes, dom,
                                        fused=self.config.fused_a2a, plan=plan),
                 )
+        by_pos = dict(zip(ex, updates)) | dict(zip(rep, rep_outs))
+        st.updates = [by_pos[j] for j in range(len(mps))]
         if self._eager_release:
             st.outs = st.packed = None
 
@@ -312,10 +339,10 @@ class WavePipeline:
                     buf = local_tensor(self.state[m.param]["momentum_buffer"])
                     momentum_update_(buf, local_tensor(st.grads[j]), st.hyper.momentum)
                     p, u = local_tensor(m.param), st.updates[j]
-                    for a, b, shape in m.runs:  # one run unless the matrix is split (overlap_muon.split)
+                    for a, b, shape, region in m.runs:  # one run unless the matrix is split (overlap_muon.split)
                         whole = a == 0 and b == p.size(0)
                         apply_update(p if whole else p[a:b], u if whole else u[a:b], lr, weight_decay,
-                                     adjust_lr_fn, shape)
+                                     adjust_lr_fn, shape, region)
         if self._eager_release:
             st.release()
 

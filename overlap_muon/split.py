@@ -121,24 +121,34 @@ def resolve_split(split: SplitArg, name: str, param: Tensor, full_shape: tuple[i
     return parts, None
 
 
-def apply_runs(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, int], row0: int, rows: int
-               ) -> tuple[tuple[int, int, tuple[int, int]], ...]:
-    """How a shard holding full rows ``[row0, row0 + rows)`` applies its update: ``(start, stop, part_shape)``
-    runs of local rows, each scaled by the lr ratio of its part's shape (``((0, rows, full_shape),)`` unsplit)."""
+def apply_runs(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, int],
+               shard: tuple[int, int, int, int]) -> tuple[tuple[int, int, tuple[int, int], tuple[int, int, int, int]], ...]:
+    """How a shard applies its update, in runs of local rows that belong to one matrix (the whole matrix, or one
+    part of a split one): ``(start, stop, matrix_shape, region)``, where ``matrix_shape`` sets the lr ratio and
+    ``region = (row0, rows, col0, cols)`` places the run in that matrix (``muon_math.apply_update`` rounds as torch
+    does on it).
+
+    Args:
+        parts: the matrix's row sets (:func:`resolve_split`), or ``None``.
+        full_shape: ``(P, Q)`` of the full (fused) matrix.
+        shard: ``(row0, rows, col0, cols)`` of this rank's shard in it (``overlap_muon.domain.block``).
+    """
+    row0, rows, col0, cols = shard
     if parts is None:
-        return ((0, rows, tuple(full_shape)),)
-    part_of = {}
+        return ((0, rows, tuple(full_shape), tuple(shard)),)
+    where = {}  # full row -> (its part's shape, its row index inside the part)
     for rows_k in parts:
-        for r in rows_k:
-            part_of[r] = (len(rows_k), full_shape[1])
+        for pos, r in enumerate(rows_k):
+            where[r] = ((len(rows_k), full_shape[1]), pos)
     runs: list[list] = []
     for local in range(rows):
-        shape = part_of[row0 + local]
-        if runs and runs[-1][1] == local and runs[-1][2] == shape:
-            runs[-1][1] = local + 1
+        shape, pos = where[row0 + local]
+        last = runs[-1] if runs else None
+        if last is not None and last[1] == local and last[2] == shape and last[3] + (local - last[0]) == pos:
+            last[1] = local + 1
         else:
-            runs.append([local, local + 1, shape])
-    return tuple((a, b, s) for a, b, s in runs)
+            runs.append([local, local + 1, shape, pos])
+    return tuple((a, b, s, (pos, b - a, col0, cols)) for a, b, s, pos in runs)
 
 
 def split_ns(fulls: Sequence[Tensor], parts: Sequence[Sequence[Sequence[int]] | None],

@@ -237,8 +237,10 @@ def _bad_inputs(rank, world):
         OverlapMuon(m, tp_group=group, overlap=False)
 
     def missing_partition_dim():
+        # a shard (full_shape says so) without partition_dim; without full_shape it would be a replicated param
         m = nn.Linear(8, 6, bias=False)
         m.weight = nn.Parameter(torch.randn(3, 8))
+        m.weight.full_shape = (6, 8)
         OverlapMuon(m, tp_group=group, overlap=False)
 
     def not_2d():

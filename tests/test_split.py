@@ -56,9 +56,9 @@ def _reference(w0: torch.Tensor, spec, grads):
     return out
 
 
-def _run(R, T, g, t, spec, full_shape, overlap, steps=3):
+def _run(R, T, g, t, spec, full_shape, overlap, steps=3, dtype=torch.float32):
     torch.manual_seed(0)
-    w0 = torch.randn(full_shape)
+    w0 = torch.randn(full_shape).to(dtype)
     net = nn.Module()
     net.w = nn.Parameter(block(w0, 0, R, T, g, t).clone())
     net.w.partition_dim, net.w.full_shape = 0, full_shape
@@ -66,7 +66,7 @@ def _run(R, T, g, t, spec, full_shape, overlap, steps=3):
     if R * T > 1:
         extra["tp_group"], extra["remat_group"] = explicit_groups(R, T, g, t)
     opt = OverlapMuon(net, muon_filter=lambda n, p: True, split={"w": spec}, overlap=overlap, **HP, **extra)
-    grads = _full_grads(full_shape, steps)
+    grads = [gr.to(dtype) for gr in _full_grads(full_shape, steps)]
     for gr in grads:
         net.w.grad = block(gr, 0, R, T, g, t).contiguous()
         opt.step()
@@ -77,11 +77,12 @@ def _run(R, T, g, t, spec, full_shape, overlap, steps=3):
     return torch.equal(got, block(_reference(w0, spec, grads), 0, R, T, g, t))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("name", list(SPECS))
-def test_split_world1_bitwise(name, overlap):
+def test_split_world1_bitwise(name, overlap, dtype):
     spec, shape = SPECS[name]
-    assert _run(1, 1, 0, 0, spec, shape, overlap)
+    assert _run(1, 1, 0, 0, spec, shape, overlap, dtype=dtype)
 
 
 def test_unsplit_differs_from_split():
@@ -98,7 +99,8 @@ def test_unsplit_differs_from_split():
 
 def _grid_body(rank, world, R, T):
     g, t = divmod(rank, T)
-    return {(name, ov): _run(R, T, g, t, *SPECS[name], ov) for name in SPECS for ov in (False, True)}
+    return {(name, ov, dt): _run(R, T, g, t, *SPECS[name], ov, dtype=dt) for name in SPECS for ov in (False, True)
+            for dt in (torch.float32, torch.bfloat16)}
 
 
 @pytest.mark.timeout(180)

@@ -28,16 +28,17 @@ from torch import Tensor, nn
 
 from hooks import (
     GradReadyTracker, ParamOwners, ddp_readiness_hook, fsdp_param_streams, params_read_by_module,
-    register_forward_waits, weak_callback,
+    compile_boundary, register_forward_waits, weak_callback,
 )
 from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_waves
 from scheduler.waves import Wave
 
 from .config import OverlapMuonConfig, resolve_config
-from .domain import Domain, describe_param, discover_layouts, local_tensor, my_coords
+from .domain import Domain, describe_param, discover_layouts, local_tensor, mesh_dims, my_coords
 from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
 from .pipeline import Hyper, TestingSeam, WavePipeline
+from .split import adamw_param_groups, conv1d_weights, default_muon_ids, split_table
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
 
 __all__ = ["OverlapMuon"]
@@ -72,9 +73,21 @@ class OverlapMuon(torch.optim.Optimizer):
             hyper-parameters with ``torch.optim.Muon``'s names, defaults and meaning (``lr`` may be a 0-d tensor,
             kept as one). ``ns_coefficients`` may also be a sequence of ``ns_steps`` per-step ``(a, b, c)``.
         adamw_kwargs: passed verbatim to the ``torch.optim.AdamW`` of the non-Muon params (default ``{}``).
-        muon_filter: ``(name, param) -> bool`` picking Muon params; default: 2-D weights of ``nn.Linear``.
-        device_mesh: a 2-D ``DeviceMesh`` with dims ``("remat", "tp")``, or 1-D (dim named ``"tp"``: TP only,
-            else remat only), over which the Muon params are DTensors.
+        adamw_groups: several AdamW groups: ``[{"params": selector, **overrides}, ...]``; the selector is a
+            ``(name, param) -> bool`` callable or an iterable of param names (or params); the overrides (``lr``,
+            ``weight_decay``, ...) replace ``adamw_kwargs`` for that group; a param goes to the first group that
+            selects it, the rest to a last group with ``adamw_kwargs`` (``overlap_muon.split.adamw_param_groups``).
+            The groups follow the Muon group in ``param_groups`` (each with ``algorithm="adamw"``), so LR schedulers
+            and ``state_dict`` cover them.
+        muon_filter: ``(name, param) -> bool`` picking Muon params; default ([Note: the default split] in
+            ``overlap_muon/split.py``): 2-D weights of ``nn.Linear`` and HF ``Conv1D`` modules, except embeddings
+            (and weights tied to them) and the output head. A ``Conv1D`` weight (stored ``(in, out)``) is
+            orthogonalized and lr-scaled as its ``(out, in)`` transpose, whichever the filter.
+        device_mesh: the ``DeviceMesh`` over which the Muon params are DTensors: ``remat_dim`` and ``tp_dim`` name
+            its domain dims (defaults ``"remat"``, ``"tp"``; ``None`` for a dim the domain lacks); any other dim
+            (e.g. ``"dp_replicate"``) is a replicate dim whose indices each hold a domain of their own. A 1-D mesh
+            is TP only when its dim is named ``tp_dim``, else remat only.
+        remat_dim, tp_dim: see ``device_mesh`` (torchtitan: ``remat_dim="dp_shard"`` or ``"fsdp"``).
         tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``).
         mode, fused_a2a, batch_ns, balance, overlap, wave_slots, side_streams, nvtx, pg_timeout_s,
             readiness_order, skip_nonfinite, check_grad_presence: options (``overlap_muon.config``); ``None``
@@ -82,9 +95,11 @@ class OverlapMuon(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: a hyper-parameter is out of range, a Muon param is not a real 2-D matrix, a param's placements
-            or local shape do not fit the domain (the message names the param, its shape and the expectation), or
-            an option is malformed. Raised on every rank, before any exchange.
+        ValueError: a hyper-parameter is out of range, the mesh does not have the named dims (this error alone:
+            the per-param checks would be meaningless), a Muon param is not a real 2-D matrix, a param's placements
+            or local shape do not fit the domain (the message names the param, its shape and the expectation), an
+            ``adamw_groups`` entry names a missing or Muon param, or an option is malformed. Raised on every rank,
+            before any exchange.
         RuntimeError: another live ``OverlapMuon`` drives the same params (``close()`` it first).
     """
 
@@ -103,6 +118,9 @@ class OverlapMuon(torch.optim.Optimizer):
         adamw_kwargs: dict[str, Any] | None = None,
         muon_filter: Callable[[str, Tensor], bool] | None = None,
         device_mesh: Any = None,
+        remat_dim: str | None = "remat",
+        tp_dim: str | None = "tp",
+        adamw_groups: list[dict[str, Any]] | None = None,
         tp_group: dist.ProcessGroup | None = None,
         remat_group: dist.ProcessGroup | None = None,
         _testing: TestingSeam | None = None,
@@ -114,6 +132,7 @@ class OverlapMuon(torch.optim.Optimizer):
             raise TypeError(f"OverlapMuon expects an nn.Module, got {type(model).__name__}")
         ddp = model if isinstance(model, DistributedDataParallel) else None
         model = ddp.module if ddp is not None else model
+        model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
         check_hyperparameters(lr, weight_decay, momentum, eps, adjust_lr_fn, ns_coefficients, ns_steps)
         if muon_filter is not None and not callable(muon_filter):
             raise TypeError("muon_filter must be callable (name, param) -> bool")
@@ -123,24 +142,38 @@ class OverlapMuon(torch.optim.Optimizer):
         _OWNERS.claim(model.parameters(), self, "OverlapMuon: another live OverlapMuon already drives this model's "
                       "params; call its close() before building a new one on the same model")
 
-        # ---- sort params; place the Muon matrices in the domain (errors raised on every rank) ----------------
-        linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-        muon_named, adamw_params, errors = [], [], []
+        # ---- sort params ([Note: the default split] in split.py); place the Muon matrices in the domain -------
+        # Errors are raised on every rank: the mesh/domain's first (it makes every per-param check meaningless),
+        # then the params'.
+        default_muon = default_muon_ids(model) if muon_filter is None else set()
+        conv1d = conv1d_weights(model)
+        muon_named, adamw_named, errors = [], [], []
         for name, p in model.named_parameters():  # remove_duplicate=True: a tied param appears once
-            pick = muon_filter(name, p) if muon_filter is not None else (id(p) in linear_weights and p.ndim == 2)
+            pick = muon_filter(name, p) if muon_filter is not None else id(p) in default_muon
             if not pick:
-                adamw_params.append(p)
+                adamw_named.append((name, p))
             elif p.ndim != 2 or torch.is_complex(p):
                 errors.append(f"Muon param {name!r} has shape {tuple(p.shape)} and dtype {p.dtype}; Muon needs a "
                               "real 2-D matrix")
             else:
                 muon_named.append((name, p))
-        layouts, mesh_err = discover_layouts(device_mesh, tp_group, remat_group)
+        layouts, mesh_err = discover_layouts(device_mesh, tp_group, remat_group, remat_dim, tp_dim)
+        self._raise_everywhere([mesh_err] if mesh_err else [])
         R, T, g, t = my_coords(layouts, self._rank)
-        errors += [mesh_err] if mesh_err else []
-        described = [describe_param(i, n, p, device_mesh, R, T, g, t) for i, (n, p) in enumerate(muon_named)]
+        dims = mesh_dims(device_mesh, remat_dim, tp_dim)[0] if device_mesh is not None else None
+        described = [describe_param(i, n, p, device_mesh, R, T, g, t, dims=dims) for i, (n, p) in enumerate(muon_named)]
         self._muon = [mp for mp, err in described if mp is not None]
+        for m in self._muon:
+            m.transposed = id(m.param) in conv1d
+        all_named = dict(model.named_parameters(remove_duplicate=False))
+        try:
+            adamw_groups_ = adamw_param_groups(adamw_named, adamw_groups, {n for n, _ in muon_named}, all_named)
+        except ValueError as e:
+            errors.append(str(e))
+            adamw_groups_ = []
         self._raise_everywhere(errors + [err for _, err in described if err])
+        if self._rank == 0:
+            self._log_split(adamw_groups_, all_named)
 
         # ---- runtime groups (collective over the default group) ----------------------------------------------
         timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
@@ -152,7 +185,7 @@ class OverlapMuon(torch.optim.Optimizer):
         """This rank's :class:`~overlap_muon.domain.Domain` (sizes R x T, coordinates g, t)."""
 
         # ---- optimizer plumbing: one Muon group, then the inner AdamW's groups --------------------------------
-        self._adamw = torch.optim.AdamW(adamw_params, **(adamw_kwargs or {})) if adamw_params else None
+        self._adamw = torch.optim.AdamW(adamw_groups_, **(adamw_kwargs or {})) if adamw_groups_ else None
         muon_group = dict(params=[m.param for m in self._muon], algorithm="muon", lr=lr, weight_decay=weight_decay,
                           momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
                           eps=eps, adjust_lr_fn=adjust_lr_fn)
@@ -175,7 +208,7 @@ class OverlapMuon(torch.optim.Optimizer):
                                       ctrl, self._testing)
 
         # ---- plan and hooks ----------------------------------------------------------------------------------
-        self._costs = [float(ns_flops(m.full_shape, ns_steps)) for m in self._muon]
+        self._costs = [float(ns_flops(m.ns_shape, ns_steps)) for m in self._muon]
         self._recorder = ReadinessRecorder(len(self._muon)) if self.config.readiness_order == "observed" else None
         self._plan(list(reversed(range(len(self._muon)))))
         self._accumulating = False
@@ -186,6 +219,10 @@ class OverlapMuon(torch.optim.Optimizer):
         self._tracker: GradReadyTracker | None = None
         self._covered: set[int] = set()  # Muon params some forward wait has covered (recorded in the first step)
         self._module_params: dict[nn.Module, set[int]] = {}
+        self._boundaries: set[int] = set()  # ids of compiled modules whose eager hook waited for their subtree
+        self._ancestors: dict[int, list[int]] = {}  # id(module) -> ids of the module and its ancestors
+        self._subtree: dict[int, set[int]] = {}  # id(module) -> Muon indices of its params, recursively
+        self._on_traced_cb: Callable[[int], None] | None = None
         if self.config.overlap and self._muon:
             self._tracker = GradReadyTracker([m.param for m in self._muon], weak_callback(self._on_ready),
                                              on_backward_end=weak_callback(self._on_backward_end))
@@ -214,6 +251,17 @@ class OverlapMuon(torch.optim.Optimizer):
                                      for e in errs]
         if errors:
             raise ValueError("OverlapMuon: " + "; ".join(dict.fromkeys(errors)))
+
+    def _log_split(self, adamw_groups: list[dict[str, Any]], named: dict[str, Tensor]) -> None:
+        """Rank 0, at construction: which params went to Muon and which to AdamW (a table, then one summary line)."""
+        names = {id(p): n for n, p in named.items()}
+        mu = [(m.name, m.full_shape, m.transposed) for m in self._muon]
+        aw = [(names.get(id(p), "?"), tuple(p.shape), gi) for gi, grp in enumerate(adamw_groups) for p in grp["params"]]
+        nb = (sum(m.full_shape[0] * m.full_shape[1] * m.param.element_size() for m in self._muon),
+              sum(p.numel() * p.element_size() for grp in adamw_groups for p in grp["params"]))
+        table, summary = split_table(mu, aw, nb)
+        logger.info("%s", table)
+        logger.info("%s", summary)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: params, domain layout, homes, waves and hooks are planned once.
@@ -249,8 +297,22 @@ class OverlapMuon(torch.optim.Optimizer):
     def _register_waits(self, model: nn.Module) -> None:
         """Forward pre-hooks (prepended, before FSDP2's all-gather) waiting for the waves of the params each
         module's forward reads (``hooks.params_read_by_module``)."""
-        self._module_params = params_read_by_module(model, {id(m.param): m.index for m in self._muon})
-        self._handles += register_forward_waits(list(self._module_params), weak_callback(self._wait_module))
+        index = {id(m.param): m.index for m in self._muon}
+        self._module_params = params_read_by_module(model, index)
+        # Every ancestor of a reading module gets a hook too: any of them may be compiled, and then it is the
+        # boundary that waits for its subtree ([Note: forward waits under torch.compile] in hooks/forward_wait.py).
+        parent = {id(c): m for m in model.modules() for c in m.children()}
+        self._ancestors = {}
+        for mod in model.modules():
+            chain, cur = [], mod
+            while cur is not None:
+                chain.append(id(cur))
+                cur = parent.get(id(cur))
+            self._ancestors[id(mod)] = chain
+        self._subtree = {id(mod): {index[id(p)] for p in mod.parameters() if id(p) in index} for mod in model.modules()}
+        hooked = [mod for mod in model.modules() if self._subtree[id(mod)]]
+        self._on_traced_cb = weak_callback(self._on_traced)
+        self._handles += register_forward_waits(hooked, weak_callback(self._wait_module), self._on_traced_cb)
 
     # ------------------------------------------------------------------------------------------------------
     # hooks -> dispatcher -> pipeline; forward waits -> pipeline
@@ -280,15 +342,39 @@ class OverlapMuon(torch.optim.Optimizer):
         """Forward pre-hook body: wait for the waves of ``module``'s params, and of the modules FSDP2 will
         prefetch from ``module``'s pre-forward (``set_modules_to_forward_prefetch``), since that all-gather reads
         their shards before their own pre-hooks run. FSDP2's all-gather streams wait too ([Note: FSDP2 streams]
-        in ``hooks/forward_wait.py``)."""
+        in ``hooks/forward_wait.py``). A compiled module waits for its whole subtree: the hooks inside it trace to
+        nothing ([Note: forward waits under torch.compile] in ``hooks/forward_wait.py``)."""
         mods = [module]
         if isinstance(module, FSDPModule):
             for other in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", ()):
                 mods.extend(getattr(other, "_modules", ()))
         indices = {i for m in mods for i in self._module_params.get(m, ())}
+        if compile_boundary(module):
+            self._boundaries.add(id(module))
+            indices |= self._subtree.get(id(module)) or {m.index for m in self._muon
+                                                         if any(m.param is p for p in module.parameters())}
         if self._step_count == 0:
             self._covered |= indices
         self._pipeline.wait(self._waves_of(indices), streams=fsdp_param_streams(module))
+
+    def _on_traced(self, module_id: int) -> None:
+        """Trace time: Dynamo inlined the wait hook of a module into a graph. Its wait has moved to the nearest
+        compiled ancestor whose hook ran eagerly ([Note: forward waits under torch.compile]); without one the
+        compiled forward could read weights before their update lands.
+
+        Raises:
+            RuntimeError: no eager wait covers the module (e.g. ``torch.compile`` of a function calling the model).
+        """
+        chain = self._ancestors.get(module_id, [module_id])
+        if any(a in self._boundaries for a in chain):
+            return
+        raise RuntimeError(
+            "OverlapMuon (overlap=True): torch.compile traces a module's forward wait, but no compiled module of the "
+            "model ran its wait eagerly first (the model is compiled from outside, e.g. torch.compile of a function "
+            "that calls it), so the compiled forward could read weights before their update lands. Supported: "
+            "per-block block.compile() / torch.compile(block), and model.compile() / torch.compile(model); or use "
+            "overlap=False."
+        )
 
     def _sync_hook(self, *_: Any) -> None:
         self.synchronize()
@@ -384,7 +470,7 @@ class OverlapMuon(torch.optim.Optimizer):
         mine = {index[id(p)] for p in params if id(p) in index}
         self._module_params[module] = self._module_params.get(module, set()) | mine
         self._covered |= mine
-        self._handles += register_forward_waits([module], weak_callback(self._wait_module))
+        self._handles += register_forward_waits([module], weak_callback(self._wait_module), self._on_traced_cb)
 
     def _adopt_observed_order(self) -> None:
         """After the first step: broadcast rank 0's observed readiness order and re-plan the waves with it."""

@@ -270,7 +270,14 @@ class WavePipeline:
         kw = dict(ns_coefficients=h.ns_coefficients, ns_steps=h.ns_steps, eps=h.eps, syrk=self.config.syrk)
         with prof_range(wave_range_name(st.wave.index, "ns"), nvtx=self.config.nvtx):
             fn = self._ns_many
-            st.outs = self.testing.ns_wrap(fn, st.fulls, kw) if self.testing.ns_wrap else fn(st.fulls, kw)
+            # [Note: transposed weights] a weight stored (in, out) (HF Conv1D) is the (out, in) linear W^T: NS runs
+            # on a contiguous copy of W^T, exactly the matrix torch.optim.Muon sees for the equivalent nn.Linear, and
+            # the result is transposed back to the stored layout. Bitwise by construction (no op sees other values or
+            # strides than the reference's); the lr ratio uses MuonParam.ns_shape, the (out, in) shape.
+            flip = [self.muon[st.items[j]].transposed for j in st.mine]
+            mats = [f.T.contiguous() if tr else f for f, tr in zip(st.fulls, flip)]
+            outs = self.testing.ns_wrap(fn, mats, kw) if self.testing.ns_wrap else fn(mats, kw)
+            st.outs = [o.T.contiguous() if tr else o for o, tr in zip(outs, flip)]
         if self._eager_release:
             st.fulls = None
 
@@ -300,7 +307,7 @@ class WavePipeline:
                 for j, i in enumerate(st.items):
                     m = self.muon[i]
                     local_tensor(self.state[m.param]["momentum_buffer"]).copy_(st.new_bufs[j])
-                    apply_update(local_tensor(m.param), st.updates[j], lr, weight_decay, adjust_lr_fn, m.full_shape)
+                    apply_update(local_tensor(m.param), st.updates[j], lr, weight_decay, adjust_lr_fn, m.ns_shape)
         if self._eager_release:
             st.release()
 

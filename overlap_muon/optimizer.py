@@ -248,13 +248,15 @@ class OverlapMuon(torch.optim.Optimizer):
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, errors)
             errors = list(errors) + [f"(rank {r}) {e}" for r, errs in enumerate(gathered) if r != self._rank
-                                     for e in errs]
+                                     for e in errs if e not in errors]  # the same message once
         if errors:
             raise ValueError("OverlapMuon: " + "; ".join(dict.fromkeys(errors)))
 
     def _log_split(self, adamw_groups: list[dict[str, Any]], named: dict[str, Tensor]) -> None:
         """Rank 0, at construction: which params went to Muon and which to AdamW (a table, then one summary line)."""
-        names = {id(p): n for n, p in named.items()}
+        names: dict[int, str] = {}
+        for n, p in named.items():  # a tied param: its first name, then "= alias"
+            names[id(p)] = f"{names[id(p)]} = {n}" if id(p) in names else n
         mu = [(m.name, m.full_shape, m.transposed) for m in self._muon]
         aw = [(names.get(id(p), "?"), tuple(p.shape), gi) for gi, grp in enumerate(adamw_groups) for p in grp["params"]]
         nb = (sum(m.full_shape[0] * m.full_shape[1] * m.param.element_size() for m in self._muon),

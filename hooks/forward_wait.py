@@ -17,10 +17,10 @@ a graph inside one. Ours are built so that neither case adds a graph break (chec
   traces to nothing: the wait is moved to the *nearest uncompiled boundary*, the compiled module whose own hook
   runs eagerly (:func:`compile_boundary`) and waits for every param of its subtree. The weights of a compiled block
   are therefore awaited when the block starts (per block, so the next forward still overlaps the later waves);
-* at trace time (only then) ``on_traced(id(module))`` is called (``torch._dynamo.assume_constant_result`` runs it
-  while tracing): the caller checks that some ancestor's eager wait covers the module, and raises otherwise (a
-  region compiled from outside the model, e.g. ``torch.compile`` of a function that calls it, has no eager hook of
-  ours: its forwards could read stale weights).
+* at trace time (only then) ``on_traced()`` is called (``torch._dynamo.assume_constant_result`` runs it while
+  tracing): the caller checks that the last wait that ran eagerly was a compiled boundary's (tracing starts right
+  after the boundary's pre-hooks), and raises otherwise (a region compiled from outside the model, e.g.
+  ``torch.compile`` of a function that calls it, runs no hook of ours eagerly: it could read stale weights).
 """
 
 from __future__ import annotations
@@ -38,14 +38,16 @@ except Exception:  # pragma: no cover
     _is_in_optimized_module = None  # type: ignore[assignment]
     _skip_code = None  # type: ignore[assignment]
 
-_ON_TRACED: dict[int, Callable[[int], None]] = {}  # token -> the caller's trace-time check
+_ON_TRACED: dict[int, Callable[[], None]] = {}  # token -> the caller's trace-time check (one entry per caller)
 
 
-def _traced(token: int, module_id: int) -> bool:
-    """Called by Dynamo at trace time only (``assume_constant_result``): a hook was inlined into a graph."""
+def _traced(token: int) -> bool:
+    """Called by Dynamo at trace time only (``assume_constant_result``): a hook was inlined into a graph. (Nothing
+    about the module is passed: an ``id(module)`` would make Dynamo guard on the module object and compile every
+    block's graph anew.)"""
     cb = _ON_TRACED.get(token)
     if cb is not None:
-        cb(module_id)
+        cb()
     return True
 
 
@@ -76,7 +78,7 @@ def _make_pre_hook(wait: Callable[[torch.nn.Module], None], token: int | None) -
     def _pre_hook(module: torch.nn.Module, _args: tuple) -> None:
         if torch.compiler.is_compiling():
             if token is not None:
-                _traced(token, id(module))
+                _traced(token)
             return
         _call_eagerly(wait, module)
 
@@ -90,7 +92,7 @@ if _skip_code is not None:
 def register_forward_waits(
     modules: Iterable[torch.nn.Module],
     wait: Callable[[torch.nn.Module], None],
-    on_traced: Callable[[int], None] | None = None,
+    on_traced: Callable[[], None] | None = None,
 ) -> list[RemovableHandle]:
     """Register ``wait(module)`` to run before each module's forward, ahead of every other pre-hook.
 
@@ -106,8 +108,8 @@ def register_forward_waits(
     Args:
         modules: the modules whose forward must wait.
         wait: called with the module, on the thread running its forward (never while Dynamo traces).
-        on_traced: called with ``id(module)`` when Dynamo inlines the hook of ``module`` into a graph (at trace
-            time, once per trace), e.g. to check that an eager boundary covers it and raise otherwise.
+        on_traced: called (no arguments) when Dynamo inlines one of these hooks into a graph (at trace time, once
+            per trace), e.g. to check that an eager boundary covers the region and raise otherwise.
 
     Returns:
         One handle per hooked module; ``handle.remove()`` unregisters it.

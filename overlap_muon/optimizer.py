@@ -219,10 +219,9 @@ class OverlapMuon(torch.optim.Optimizer):
         self._tracker: GradReadyTracker | None = None
         self._covered: set[int] = set()  # Muon params some forward wait has covered (recorded in the first step)
         self._module_params: dict[nn.Module, set[int]] = {}
-        self._boundaries: set[int] = set()  # ids of compiled modules whose eager hook waited for their subtree
-        self._ancestors: dict[int, list[int]] = {}  # id(module) -> ids of the module and its ancestors
+        self._at_boundary = False  # the last forward wait that ran eagerly was a compiled module's
         self._subtree: dict[int, set[int]] = {}  # id(module) -> Muon indices of its params, recursively
-        self._on_traced_cb: Callable[[int], None] | None = None
+        self._on_traced_cb: Callable[[], None] | None = None
         if self.config.overlap and self._muon:
             self._tracker = GradReadyTracker([m.param for m in self._muon], weak_callback(self._on_ready),
                                              on_backward_end=weak_callback(self._on_backward_end))
@@ -303,14 +302,6 @@ class OverlapMuon(torch.optim.Optimizer):
         self._module_params = params_read_by_module(model, index)
         # Every ancestor of a reading module gets a hook too: any of them may be compiled, and then it is the
         # boundary that waits for its subtree ([Note: forward waits under torch.compile] in hooks/forward_wait.py).
-        parent = {id(c): m for m in model.modules() for c in m.children()}
-        self._ancestors = {}
-        for mod in model.modules():
-            chain, cur = [], mod
-            while cur is not None:
-                chain.append(id(cur))
-                cur = parent.get(id(cur))
-            self._ancestors[id(mod)] = chain
         self._subtree = {id(mod): {index[id(p)] for p in mod.parameters() if id(p) in index} for mod in model.modules()}
         hooked = [mod for mod in model.modules() if self._subtree[id(mod)]]
         self._on_traced_cb = weak_callback(self._on_traced)
@@ -351,24 +342,24 @@ class OverlapMuon(torch.optim.Optimizer):
             for other in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", ()):
                 mods.extend(getattr(other, "_modules", ()))
         indices = {i for m in mods for i in self._module_params.get(m, ())}
-        if compile_boundary(module):
-            self._boundaries.add(id(module))
+        self._at_boundary = compile_boundary(module)
+        if self._at_boundary:
             indices |= self._subtree.get(id(module)) or {m.index for m in self._muon
                                                          if any(m.param is p for p in module.parameters())}
         if self._step_count == 0:
             self._covered |= indices
         self._pipeline.wait(self._waves_of(indices), streams=fsdp_param_streams(module))
 
-    def _on_traced(self, module_id: int) -> None:
-        """Trace time: Dynamo inlined the wait hook of a module into a graph. Its wait has moved to the nearest
-        compiled ancestor whose hook ran eagerly ([Note: forward waits under torch.compile]); without one the
-        compiled forward could read weights before their update lands.
+    def _on_traced(self) -> None:
+        """Trace time: Dynamo inlined a wait hook into a graph. The wait has moved to the compiled module whose hook
+        ran eagerly just before the trace ([Note: forward waits under torch.compile]); without one the compiled
+        forward could read weights before their update lands.
 
         Raises:
-            RuntimeError: no eager wait covers the module (e.g. ``torch.compile`` of a function calling the model).
+            RuntimeError: the last eager wait was not a compiled boundary's (e.g. ``torch.compile`` of a function
+                calling the model: no hook of ours runs eagerly).
         """
-        chain = self._ancestors.get(module_id, [module_id])
-        if any(a in self._boundaries for a in chain):
+        if self._at_boundary:
             return
         raise RuntimeError(
             "OverlapMuon (overlap=True): torch.compile traces a module's forward wait, but no compiled module of the "

@@ -112,7 +112,7 @@ def register_forward_waits(
             per trace), e.g. to check that an eager boundary covers the region and raise otherwise.
 
     Returns:
-        One handle per hooked module; ``handle.remove()`` unregisters it.
+        One handle per hooked module, plus one for ``on_traced`` when given; ``handle.remove()`` unregisters it.
 
     Raises:
         TypeError: an entry is not a ``torch.nn.Module``.
@@ -127,11 +127,23 @@ def register_forward_waits(
             mods.append(m)
 
     token = None
+    extra: list = []
     if on_traced is not None:
         token = id(on_traced)
         _ON_TRACED[token] = on_traced
+        extra.append(_TokenHandle(token))
     hook = _make_pre_hook(wait, token)
-    return [m.register_forward_pre_hook(hook, prepend=True) for m in mods]
+    return [m.register_forward_pre_hook(hook, prepend=True) for m in mods] + extra
+
+
+class _TokenHandle:
+    """Removes a trace-time callback from the registry (returned beside the hook handles)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def remove(self) -> None:
+        _ON_TRACED.pop(self.token, None)
 
 
 def fsdp_param_streams(module: torch.nn.Module) -> list:

@@ -241,15 +241,18 @@ class OverlapMuon(torch.optim.Optimizer):
     def _raise_everywhere(self, errors: list[str]) -> None:
         """Raise on every rank if any rank found bad input (invariant 6), before any exchange.
 
-        Only the first error of a kind that explains the rest is kept per rank: a domain error makes every
-        param check meaningless."""
+        The constructor calls it first with the mesh/domain error alone (it makes every param check meaningless),
+        then with the params' errors. A message several ranks share is shown once; after 8 messages the rest are
+        counted."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, errors)
             errors = list(errors) + [f"(rank {r}) {e}" for r, errs in enumerate(gathered) if r != self._rank
                                      for e in errs if e not in errors]  # the same message once
         if errors:
-            raise ValueError("OverlapMuon: " + "; ".join(dict.fromkeys(errors)))
+            msgs = list(dict.fromkeys(errors))
+            more = f"; and {len(msgs) - 8} more" if len(msgs) > 8 else ""
+            raise ValueError("OverlapMuon: " + "; ".join(msgs[:8]) + more)
 
     def _log_split(self, adamw_groups: list[dict[str, Any]], named: dict[str, Tensor]) -> None:
         """Rank 0, at construction: which params went to Muon and which to AdamW (a table, then one summary line)."""

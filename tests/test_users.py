@@ -550,3 +550,10 @@ def test_adamw_groups_dcp_round_trip(tmp_path):
         assert same_lrs
         assert [wd for wd, _ in groups] == [HP["weight_decay"], 0.0, ADAMW_KW["weight_decay"],
                                             ADAMW_KW["weight_decay"]]
+
+
+def test_many_param_errors_are_counted_not_listed():
+    """One cause repeated over many params (here a filter that picks 24 1-D params) shows 8 messages and a count."""
+    model = nn.Sequential(*[nn.LayerNorm(4) for _ in range(12)])
+    with pytest.raises(ValueError, match=r"Muon needs a real 2-D matrix; and 16 more$"):
+        OverlapMuon(model, muon_filter=lambda n, p: True)

@@ -307,22 +307,32 @@ def _train_vs_torch(model, opt_kw, muon_names, adamw_groups_ref=None, steps=3, s
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tie", [False, True])
-def test_default_split_llama_embeddings_and_head_to_adamw(tie, caplog):
+def test_default_split_llama_embeddings_and_head_to_adamw(tie):
     """Bug: HF Llama's ``lm_head.weight`` went to Muon, and with tied embeddings ``embed_tokens.weight`` too. Now
     embeddings, weights tied to them and the output head go to AdamW; rank 0 logs the split (a table and a summary
     with counts and bytes); training equals torch.optim.Muon on the projections + AdamW on the rest."""
     torch.manual_seed(0)
     model = LlamaLike(tie=tie)
-    with caplog.at_level(logging.INFO, logger="overlap_muon"):
+    log = logging.getLogger("overlap_muon")
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
         bad, opt = _train_vs_torch(model, {}, HF_MUON)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    text = "\n".join(records)
     assert opt.muon_param_names == HF_MUON
     assert not bad, bad
-    rows = caplog.text.splitlines()
+    rows = text.splitlines()
     assert any(r.split()[:3] == ["muon", "model.layers.*.self_attn.q_proj.weight", "x2"] for r in rows), rows
     emb = ["model.embed_tokens.weight", "=", "lm_head.weight"] if tie else ["model.embed_tokens.weight"]
     assert any(r.split()[1:1 + len(emb)] == emb and r.split()[0] == "adamw[0]" for r in rows), rows
     assert tie or any(r.split()[:2] == ["adamw[0]", "lm_head.weight"] for r in rows), rows
-    text = caplog.text
     n_adamw = sum(1 for _ in model.parameters()) - len(HF_MUON)
     muon_bytes = 2 * (4 * D * D + 3 * D * FF) * 4
     assert f"{len(HF_MUON)} Muon matrices ({muon_bytes} B), {n_adamw} AdamW params" in text, text

@@ -18,7 +18,7 @@ a graph inside one. Ours are built so that neither case adds a graph break (chec
   runs eagerly (:func:`compile_boundary`) and waits for every param of its subtree. The weights of a compiled block
   are therefore awaited when the block starts (per block, so the next forward still overlaps the later waves);
 * at trace time (only then) ``on_traced()`` is called (``torch._dynamo.assume_constant_result`` runs it while
-  tracing): the caller checks that the last wait that ran eagerly was a compiled boundary's (tracing starts right
+  tracing): the caller checks that a compiled boundary's wait ran eagerly in this forward (tracing starts right
   after the boundary's pre-hooks), and raises otherwise (a region compiled from outside the model, e.g.
   ``torch.compile`` of a function that calls it, runs no hook of ours eagerly: it could read stale weights).
 """

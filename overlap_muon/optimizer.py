@@ -219,7 +219,8 @@ class OverlapMuon(torch.optim.Optimizer):
         self._tracker: GradReadyTracker | None = None
         self._covered: set[int] = set()  # Muon params some forward wait has covered (recorded in the first step)
         self._module_params: dict[nn.Module, set[int]] = {}
-        self._at_boundary = False  # the last forward wait that ran eagerly was a compiled module's
+        self._at_boundary = False  # a compiled module's wait ran eagerly in this forward (reset at the root's)
+        self._root_id = id(model)
         self._subtree: dict[int, set[int]] = {}  # id(module) -> Muon indices of its params, recursively
         self._on_traced_cb: Callable[[], None] | None = None
         if self.config.overlap and self._muon:
@@ -345,8 +346,10 @@ class OverlapMuon(torch.optim.Optimizer):
             for other in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", ()):
                 mods.extend(getattr(other, "_modules", ()))
         indices = {i for m in mods for i in self._module_params.get(m, ())}
-        self._at_boundary = compile_boundary(module)
-        if self._at_boundary:
+        boundary = compile_boundary(module)
+        if boundary or id(module) == self._root_id:  # the root's forward starts a new forward: forget the last
+            self._at_boundary = boundary
+        if boundary:
             indices |= self._subtree.get(id(module)) or {m.index for m in self._muon
                                                          if any(m.param is p for p in module.parameters())}
         if self._step_count == 0:
@@ -355,11 +358,12 @@ class OverlapMuon(torch.optim.Optimizer):
 
     def _on_traced(self) -> None:
         """Trace time: Dynamo inlined a wait hook into a graph. The wait has moved to the compiled module whose hook
-        ran eagerly just before the trace ([Note: forward waits under torch.compile]); without one the compiled
-        forward could read weights before their update lands.
+        ran eagerly before the trace ([Note: forward waits under torch.compile]); without one the compiled forward
+        could read weights before their update lands. (Checked per forward, not per module: a graph break may run
+        a submodule eagerly between the boundary's wait and a later trace.)
 
         Raises:
-            RuntimeError: the last eager wait was not a compiled boundary's (e.g. ``torch.compile`` of a function
+            RuntimeError: no compiled module's wait ran eagerly in this forward (e.g. ``torch.compile`` of a function
                 calling the model: no hook of ours runs eagerly).
         """
         if self._at_boundary:

@@ -26,9 +26,13 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(D)
         self.a = nn.Linear(D, 2 * D)
         self.b = nn.Linear(2 * D, D, bias=False)
+        self.graph_break = False
 
     def forward(self, x):
-        return x + self.b(torch.tanh(self.a(self.norm(x))))
+        h = torch.tanh(self.a(self.norm(x)))
+        if self.graph_break:  # a user's own graph break inside the compiled block
+            torch._dynamo.graph_break()
+        return x + self.b(h)
 
 
 class Net(nn.Module):
@@ -55,6 +59,10 @@ def _compile(model: Net, how: str, backend) -> nn.Module:
         return torch.compile(model, backend=backend, fullgraph=True)
     elif how == "whole_method":
         model.compile(backend=backend, fullgraph=True)
+    elif how == "block_graph_break":  # no fullgraph: the user's own break splits each block in two graphs
+        for b in model.blocks:
+            b.graph_break = True
+            b.compile(backend=backend)
     elif how == "function":
         return torch.compile(lambda x: model(x), backend=backend, fullgraph=True)
     return model
@@ -99,7 +107,7 @@ def _train(how: str, overlap: bool, steps: int = 4, fsdp_mesh=None, rank: int = 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["block_method", "block_wrap", "whole_wrap", "whole_method"])
+@pytest.mark.parametrize("how", ["block_method", "block_wrap", "whole_wrap", "whole_method", "block_graph_break"])
 def test_compiled_overlap_equals_overlap_off_world1(how):
     """Bug: with blocks compiled ``fullgraph=True`` step 2's forward raised ``torch._dynamo.exc.Unsupported`` (the
     forward wait's ``Condition``); without ``fullgraph`` the waits added graph breaks inside the blocks and the

@@ -3,11 +3,11 @@
 No optimizer knowledge: hooks report param indices and call back; the caller decides what to launch or wait on.
 """
 
-from .forward_wait import fsdp_param_streams, params_read_by_module, register_forward_waits
+from .forward_wait import compile_boundary, fsdp_param_streams, params_read_by_module, register_forward_waits
 from .ownership import ParamOwners, weak_callback
 from .grad_ready import GradReadyTracker, ddp_readiness_hook
 
 __all__ = [
-    "GradReadyTracker", "ddp_readiness_hook", "fsdp_param_streams", "params_read_by_module", "register_forward_waits",
+    "GradReadyTracker", "compile_boundary", "ddp_readiness_hook", "fsdp_param_streams", "params_read_by_module", "register_forward_waits",
     "ParamOwners", "weak_callback",
 ]

@@ -30,7 +30,7 @@ except Exception:  # pragma: no cover
 
 __all__ = [
     "Domain", "MuonParam", "chunk_sizes", "chunk_offsets", "block", "block_shape", "local_tensor", "discover_layouts",
-    "describe_param",
+    "describe_param", "mesh_dims",
 ]
 
 
@@ -200,24 +200,69 @@ class MuonParam:
     index: int  #: position among the Muon params (the index waves use)
     name: str  #: the model's name for it
     param: Tensor  #: nn.Parameter, DTensor or plain; its local shard is ``local_tensor(param)``
-    full_shape: tuple[int, int]  #: (P, Q), the logical shape NS and the lr ratio see
+    full_shape: tuple[int, int]  #: (P, Q), the full shape as stored: the layout and the routing use it
     partition_dim: int | None  #: TP split: 0, 1 or None (DESIGN.md section 2)
     replicated: bool = False
     """The whole ``(P, Q)`` matrix on every rank of the domain (a plain param with no ``partition_dim``, or a
     DTensor replicated over both mesh dims): its NS runs locally on every rank, no exchange ([Note: replicated
     params])."""
     parts: list[list[int]] | None = None  #: row sets orthogonalized as separate matrices (``overlap_muon.split``)
-    runs: tuple = ()  #: ``(start, stop, lr shape)`` runs of the local rows (``overlap_muon.split.apply_runs``)
+    runs: tuple = ()  #: ``(start, stop, matrix shape, region)`` runs of local rows (``overlap_muon.split.apply_runs``)
+    transposed: bool = False
+    """The weight is stored ``(in, out)`` (Hugging Face ``Conv1D``): NS and the lr ratio see its transpose
+    (:attr:`ns_shape`), the ``(out, in)`` linear it is ([Note: transposed weights] in ``overlap_muon.pipeline``)."""
+
+    @property
+    def ns_shape(self) -> tuple[int, int]:
+        """The ``(out, in)`` shape NS and the lr ratio see: :attr:`full_shape`, reversed when :attr:`transposed`."""
+        P, Q = self.full_shape
+        return (Q, P) if self.transposed else (P, Q)
+
+
+def mesh_dims(mesh: Any, remat_dim: str | None = "remat", tp_dim: str | None = "tp") -> tuple[
+    tuple[str | None, str | None], str | None
+]:
+    """Which dims of ``mesh`` are the domain's remat and TP dims: ``((remat_name, tp_name), error)``.
+
+    A name is ``None`` when the domain has no such dim (size 1). Every other dim of the mesh is a *replicate* dim
+    (e.g. ``dp_replicate`` of an HSDP mesh): it is not part of the domain, each of its indices holds its own domain
+    (:func:`discover_layouts`), and the Muon params must be ``Replicate`` on it.
+
+    * 1-D mesh: its dim is TP when named ``tp_dim``, remat otherwise (also when unnamed).
+    * n-D mesh: ``remat_dim`` and ``tp_dim`` must be dim names of the mesh (``None`` leaves that dim out), e.g.
+      torchtitan's ``("dp_shard", "tp")`` with ``remat_dim="dp_shard"``.
+
+    Returns:
+        ``error`` is a message naming the mesh's dims and the expectation (or ``None``).
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 1:
+        return ((None, names[0]) if names and names[0] == tp_dim else (names[0] if names else None, None)), None
+    if not names:
+        return (None, None), (f"a {mesh.ndim}-D device_mesh needs dim names (init_device_mesh(..., mesh_dim_names=...)) "
+                              "to tell its remat and TP dims apart")
+    if remat_dim is not None and remat_dim == tp_dim:
+        return (None, None), f"remat_dim and tp_dim are both {remat_dim!r}; they must be different dims"
+    missing = [(arg, v) for arg, v in (("remat_dim", remat_dim), ("tp_dim", tp_dim)) if v is not None and v not in names]
+    if missing:
+        said = ", ".join(f"{arg}={v!r}" for arg, v in missing)
+        return (None, None), (
+            f"device_mesh has dims {names}, which do not include {said}: pass OverlapMuon(..., remat_dim=<the dim "
+            "FSDP shards the params over>, tp_dim=<the tensor-parallel dim>) naming dims of this mesh (e.g. "
+            "remat_dim='dp_shard' for torchtitan), or None for a dim the domain does not have"
+        )
+    return (remat_dim, tp_dim), None
 
 
 def discover_layouts(
-    mesh: Any, tp_group: ProcessGroup | None, remat_group: ProcessGroup | None
+    mesh: Any, tp_group: ProcessGroup | None, remat_group: ProcessGroup | None,
+    remat_dim: str | None = "remat", tp_dim: str | None = "tp",
 ) -> tuple[list[list[list[int]]] | None, str | None]:
     """The layouts ``layout[g][t] = global rank`` of every domain of the job, identical on every rank.
 
-    From a ``DeviceMesh`` (2-D with dims ``("remat", "tp")``, or 1-D: named ``"tp"`` is TP only, any other name
-    remat only) or from explicit groups (``remat_group`` x ``tp_group``). Collective over the default group
-    (``all_gather_object``) when distributed.
+    From a ``DeviceMesh`` (the remat and TP dims named by ``remat_dim`` / ``tp_dim``, see :func:`mesh_dims`; the
+    other dims are replicate dims, each index of them a domain of its own) or from explicit groups
+    (``remat_group`` x ``tp_group``). Collective over the default group (``all_gather_object``) when distributed.
 
     Returns:
         ``(layouts, error)``: ``layouts`` is ``None`` for one process without groups; ``error`` is a message
@@ -227,17 +272,28 @@ def discover_layouts(
     if mesh is not None:
         if tp_group is not None or remat_group is not None:
             return None, "pass either device_mesh or tp_group/remat_group, not both"
-        names = tuple(mesh.mesh_dim_names or ())
+        (rname, tname), err = mesh_dims(mesh, remat_dim, tp_dim)
+        if err is not None:
+            return None, err
         grid = mesh.mesh
-        if mesh.ndim == 2:
-            if names != ("remat", "tp"):
-                return None, f"a 2-D device_mesh must have dims ('remat', 'tp'), got {names}"
-            layout = grid.tolist()
-        elif mesh.ndim == 1:
-            layout = [grid.tolist()] if names == ("tp",) else [[r] for r in grid.tolist()]
-        else:
-            return None, f"device_mesh must be 1-D or 2-D ('remat', 'tp'), got {mesh.ndim}-D {names}"
-        return _gather_layouts(layout), None
+        if mesh.ndim == 1:
+            layout = [grid.tolist()] if tname is not None else [[r] for r in grid.tolist()]
+            return _gather_layouts(layout), None
+        names = tuple(mesh.mesh_dim_names)
+        coord = mesh.get_coordinate()
+        if coord is None:
+            return None, f"this rank ({dist.get_rank()}) is not in the device_mesh {grid.tolist()}"
+        # Fix every replicate dim at this rank's index, then order the remaining dims (remat, tp).
+        index = [slice(None) if n in (rname, tname) else c for n, c in zip(names, coord)]
+        sub = grid[tuple(index)]
+        kept = [n for n in names if n in (rname, tname)]
+        if rname is None:
+            sub, kept = sub.unsqueeze(0), [None] + kept
+        if tname is None:
+            sub, kept = sub.unsqueeze(-1), kept + [None]
+        if kept[0] != rname:
+            sub = sub.transpose(0, 1)
+        return _gather_layouts(sub.tolist()), None
     if not initialized or (tp_group is None and remat_group is None):
         return None, None
     me, world = dist.get_rank(), dist.get_world_size()
@@ -276,13 +332,16 @@ def _is_strided_or_shard0(p: Any) -> bool:
 
 
 def describe_param(
-    index: int, name: str, p: Tensor, mesh: Any, R: int, T: int, g: int, t: int
+    index: int, name: str, p: Tensor, mesh: Any, R: int, T: int, g: int, t: int,
+    dims: tuple[str | None, str | None] | None = None,
 ) -> tuple[MuonParam | None, str | None]:
     """Place one Muon param in the ``R x T`` domain: its full shape and TP ``partition_dim``, checked.
 
     A DTensor's placements give both (FSDP2 ``Shard(0)``/``_StridedShard(0)`` on the remat dim;
     ``Shard(0)``/``Shard(1)``/``Replicate`` on ``tp``); a plain tensor carries ``partition_dim`` (and optionally
     ``full_shape``; even splits otherwise). The local shape must be exactly this rank's :func:`block`.
+    ``dims``: the mesh's ``(remat, tp)`` dim names (:func:`mesh_dims`; default: those of ``("remat", "tp")``);
+    on any other dim of the mesh the param must be ``Replicate``.
 
     [Note: replicated params] A param that holds the whole matrix on every rank of the domain -- a plain tensor
     without a ``partition_dim`` attribute on a mesh or with groups (a linear a TP plan leaves out and FSDP2 does
@@ -310,13 +369,7 @@ def describe_param(
         if mesh is None:
             return None, f"Muon param {name!r} is a DTensor but no device_mesh was given"
         mesh_names = tuple(mesh.mesh_dim_names or ())
-        # The remat dim: "remat" on a 2-D mesh; the only dim of a 1-D mesh unless it is named "tp".
-        if mesh.ndim == 2:
-            remat_name: str | None = "remat"
-        elif mesh_names == ("tp",):
-            remat_name = None
-        else:
-            remat_name = mesh_names[0] if mesh_names else None
+        remat_name, tp_name = dims if dims is not None else mesh_dims(mesh)[0]
         by_name = dict(zip(names, pl))
         if not set(names) <= set(mesh_names):
             return None, (
@@ -324,14 +377,20 @@ def describe_param(
                 f"{mesh_names} passed"
             )
         remat_pl = by_name.get(remat_name, Replicate()) if remat_name else Replicate()
-        tp_pl = by_name.get("tp", Replicate())
+        tp_pl = by_name.get(tp_name, Replicate()) if tp_name else Replicate()
+        extra = {d: x for d, x in by_name.items() if d not in (remat_name, tp_name) and not isinstance(x, Replicate)}
+        if extra:
+            return None, (
+                f"Muon param {name!r} (shape {full}) has placements {extra} on mesh dims outside the domain "
+                f"(remat {remat_name!r}, TP {tp_name!r}); expected Replicate there"
+            )
         tp_sharded = T > 1 and not isinstance(tp_pl, Replicate)
         if R > 1 and isinstance(remat_pl, Replicate) and not tp_sharded:
             replicated = True  # [Note: replicated params]
         elif R > 1 and isinstance(remat_pl, Replicate):
             return None, (
                 f"Muon param {name!r} (shape {full}) has placements {tuple(pl)} on mesh dims {names}: sharded over "
-                f"'tp' ({tp_pl}) but replicated over 'remat'; apply fully_shard over the 'remat' dim to its module "
+                f"{tp_name!r} ({tp_pl}) but replicated over {remat_name!r}; apply fully_shard over that dim to its module "
                 "(placements (_StridedShard(0) or Shard(0), Shard(0 or 1))), or leave it out of the TP plan"
             )
         elif R > 1 and not _is_strided_or_shard0(remat_pl):

@@ -186,8 +186,9 @@ class GPT(nn.Module):
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters Muon updates: the 2-D weights of ``nn.Linear`` modules, in ``named_modules`` order.
 
-    This is the rule ``OverlapMuon`` applies by default; the single-process ``torch.optim.Muon`` reference
-    uses this list and gives every other parameter to AdamW.
+    For this model (embeddings are ``nn.Embedding``, the head an :class:`OutputHead`) it is what ``OverlapMuon``'s
+    default split picks; the single-process ``torch.optim.Muon`` reference uses this list and gives every other
+    parameter to AdamW.
     """
     return [m.weight for m in model.modules() if isinstance(m, nn.Linear) and m.weight.ndim == 2]
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from hooks import (
     GradReadyTracker, ParamOwners, ddp_readiness_hook, fsdp_param_streams, params_read_by_module,
-    register_forward_waits, weak_callback,
+    compile_boundary, register_forward_waits, weak_callback,
 )
 from scheduler import (
     ReadinessRecorder, WaveDispatcher, first_plan_difference, ns_flops, param_fingerprints, plan_hash, plan_waves,
@@ -38,10 +38,11 @@ from scheduler.waves import Wave
 
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
-from .domain import Domain, block, describe_param, discover_layouts, local_tensor, my_coords
+from .domain import Domain, block, describe_param, discover_layouts, local_tensor, mesh_dims, my_coords
 from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
 from .pipeline import Hyper, TestingSeam, WavePipeline
+from .sorting import adamw_param_groups, conv1d_weights, default_muon_ids, split_table
 from .split import SplitArg, apply_runs, resolve_split
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
 
@@ -90,9 +91,21 @@ class OverlapMuon(torch.optim.Optimizer):
         split: fused weights orthogonalized as their parts (split QKV, fused gate/up, per-head blocks): a mapping
             from param names (``fnmatch`` patterns) to a :class:`~overlap_muon.split.RowSplit`, or a callable
             ``(name, param) -> RowSplit | None``; equal to ``torch.optim.Muon`` on each part as its own param.
-        muon_filter: ``(name, param) -> bool`` picking Muon params; default: 2-D weights of ``nn.Linear``.
-        device_mesh: a 2-D ``DeviceMesh`` with dims ``("remat", "tp")``, or 1-D (dim named ``"tp"``: TP only,
-            else remat only), over which the Muon params are DTensors.
+        adamw_groups: several AdamW groups: ``[{"params": selector, **overrides}, ...]``; the selector is a
+            ``(name, param) -> bool`` callable or an iterable of param names (or params); the overrides (``lr``,
+            ``weight_decay``, ...) replace ``adamw_kwargs`` for that group; a param goes to the first group that
+            selects it, the rest to a last group with ``adamw_kwargs`` (``overlap_muon.sorting.adamw_param_groups``).
+            The groups follow the Muon group in ``param_groups`` (each with ``algorithm="adamw"``), so LR schedulers
+            and ``state_dict`` cover them.
+        muon_filter: ``(name, param) -> bool`` picking Muon params; default ([Note: the default split] in
+            ``overlap_muon/sorting.py``): 2-D weights of ``nn.Linear`` and HF ``Conv1D`` modules, except embeddings
+            (and weights tied to them) and the output head. A ``Conv1D`` weight (stored ``(in, out)``) is
+            orthogonalized and lr-scaled as its ``(out, in)`` transpose, whichever the filter.
+        device_mesh: the ``DeviceMesh`` over which the Muon params are DTensors: ``remat_dim`` and ``tp_dim`` name
+            its domain dims (defaults ``"remat"``, ``"tp"``; ``None`` for a dim the domain lacks); any other dim
+            (e.g. ``"dp_replicate"``) is a replicate dim whose indices each hold a domain of their own. A 1-D mesh
+            is TP only when its dim is named ``tp_dim``, else remat only.
+        remat_dim, tp_dim: see ``device_mesh`` (torchtitan: ``remat_dim="dp_shard"`` or ``"fsdp"``).
         tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``; a plain
             param without one holds the whole matrix and is replicated: [Note: replicated params] in ``domain.py``).
         mode, fused_a2a, batch_ns, balance, overlap, wave_slots, side_streams, nvtx, pg_timeout_s,
@@ -101,9 +114,11 @@ class OverlapMuon(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: a hyper-parameter is out of range, a Muon param is not a real 2-D matrix, a param's placements
-            or local shape do not fit the domain (the message names the param, its shape and the expectation), or
-            an option is malformed. Raised on every rank, before any exchange.
+        ValueError: a hyper-parameter is out of range, the mesh does not have the named dims (this error alone:
+            the per-param checks would be meaningless), a Muon param is not a real 2-D matrix, a param's placements
+            or local shape do not fit the domain (the message names the param, its shape and the expectation), an
+            ``adamw_groups`` entry names a missing or Muon param, or an option is malformed. Raised on every rank,
+            before any exchange.
         RuntimeError: another live ``OverlapMuon`` drives the same params (``close()`` it first).
     """
 
@@ -124,6 +139,9 @@ class OverlapMuon(torch.optim.Optimizer):
         adamw_kwargs: dict[str, Any] | None = None,
         muon_filter: Callable[[str, Tensor], bool] | None = None,
         device_mesh: Any = None,
+        remat_dim: str | None = "remat",
+        tp_dim: str | None = "tp",
+        adamw_groups: list[dict[str, Any]] | None = None,
         tp_group: dist.ProcessGroup | None = None,
         remat_group: dist.ProcessGroup | None = None,
         _testing: TestingSeam | None = None,
@@ -135,6 +153,7 @@ class OverlapMuon(torch.optim.Optimizer):
             raise TypeError(f"OverlapMuon expects an nn.Module, got {type(model).__name__}")
         ddp = model if isinstance(model, DistributedDataParallel) else None
         model = ddp.module if ddp is not None else model
+        model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
         check_hyperparameters(lr, weight_decay, momentum, eps, adjust_lr_fn, ns_coefficients, ns_steps)
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
@@ -147,33 +166,50 @@ class OverlapMuon(torch.optim.Optimizer):
         _OWNERS.claim(model.parameters(), self, "OverlapMuon: another live OverlapMuon already drives this model's "
                       "params; call its close() before building a new one on the same model")
 
-        # ---- sort params; place the Muon matrices in the domain (errors raised on every rank) ----------------
-        linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-        muon_named, adamw_params, errors = [], [], []
+        # ---- sort params ([Note: the default split] in sorting.py); place the Muon matrices in the domain -------
+        # Errors are raised on every rank: the mesh/domain's first (it makes every per-param check meaningless),
+        # then the params'.
+        default_muon = default_muon_ids(model) if muon_filter is None else set()
+        conv1d = conv1d_weights(model)
+        muon_named, adamw_named, errors = [], [], []
         for name, p in model.named_parameters():  # remove_duplicate=True: a tied param appears once
-            pick = muon_filter(name, p) if muon_filter is not None else (id(p) in linear_weights and p.ndim == 2)
+            pick = muon_filter(name, p) if muon_filter is not None else id(p) in default_muon
             if not pick:
-                adamw_params.append(p)
+                adamw_named.append((name, p))
             elif p.ndim != 2 or torch.is_complex(p):
                 errors.append(f"Muon param {name!r} has shape {tuple(p.shape)} and dtype {p.dtype}; Muon needs a "
                               "real 2-D matrix")
             else:
                 muon_named.append((name, p))
-        layouts, mesh_err = discover_layouts(device_mesh, tp_group, remat_group)
+        layouts, mesh_err = discover_layouts(device_mesh, tp_group, remat_group, remat_dim, tp_dim)
+        self._raise_everywhere([mesh_err] if mesh_err else [])
         R, T, g, t = my_coords(layouts, self._rank)
-        errors += [mesh_err] if mesh_err else []
-        described = [describe_param(i, n, p, device_mesh, R, T, g, t) for i, (n, p) in enumerate(muon_named)]
+        dims = mesh_dims(device_mesh, remat_dim, tp_dim)[0] if device_mesh is not None else None
+        described = [describe_param(i, n, p, device_mesh, R, T, g, t, dims=dims) for i, (n, p) in enumerate(muon_named)]
         self._muon = [mp for mp, err in described if mp is not None]
+        for m in self._muon:
+            m.transposed = id(m.param) in conv1d
         for mp in self._muon:
-            mp.parts, err = resolve_split(split, mp.name, mp.param, mp.full_shape)
+            mp.parts, err = resolve_split(split, mp.name, mp.param, mp.ns_shape)
+            if mp.parts is not None and mp.transposed:
+                err = f"split of Muon param {mp.name!r}: a transposed (Conv1D) weight cannot be split yet"
             shard = (0, mp.full_shape[0], 0, mp.full_shape[1]) if mp.replicated else block(
                 mp.full_shape, mp.partition_dim, R, T, g, t)
-            mp.runs = apply_runs(mp.parts, mp.full_shape, shard)
+            mp.runs = apply_runs(mp.parts, mp.ns_shape, (shard[2], shard[3], shard[0], shard[1]) if mp.transposed
+                                 else shard)
             errors += [err] if err else []
         if max_grad_norm is not None and R * T > 1 and any(not isinstance(m.param, DTensor) for m in self._muon):
             errors.append("max_grad_norm needs DTensor params on a multi-rank domain (a plain shard's norm cannot "
                           "be reduced without knowing which peers hold copies); clip the gradients yourself")
+        all_named = dict(model.named_parameters(remove_duplicate=False))
+        try:
+            adamw_groups_ = adamw_param_groups(adamw_named, adamw_groups, {n for n, _ in muon_named}, all_named)
+        except ValueError as e:
+            errors.append(str(e))
+            adamw_groups_ = []
         self._raise_everywhere(errors + [err for _, err in described if err])
+        if self._rank == 0:
+            self._log_split(adamw_groups_, all_named)
 
         # ---- runtime groups (collective over the default group) ----------------------------------------------
         timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
@@ -185,7 +221,7 @@ class OverlapMuon(torch.optim.Optimizer):
         """This rank's :class:`~overlap_muon.domain.Domain` (sizes R x T, coordinates g, t)."""
 
         # ---- optimizer plumbing: one Muon group, then the inner AdamW's groups --------------------------------
-        self._adamw = torch.optim.AdamW(adamw_params, **(adamw_kwargs or {})) if adamw_params else None
+        self._adamw = torch.optim.AdamW(adamw_groups_, **(adamw_kwargs or {})) if adamw_groups_ else None
         muon_group = dict(params=[m.param for m in self._muon], algorithm="muon", lr=lr, weight_decay=weight_decay,
                           momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
                           eps=eps, adjust_lr_fn=adjust_lr_fn)
@@ -209,8 +245,8 @@ class OverlapMuon(torch.optim.Optimizer):
                                       ctrl, self._testing)
 
         # ---- plan and hooks ----------------------------------------------------------------------------------
-        self._costs = [float(sum(ns_flops((len(r), m.full_shape[1]), ns_steps) for r in m.parts) if m.parts
-                             else ns_flops(m.full_shape, ns_steps)) for m in self._muon]
+        self._costs = [float(sum(ns_flops((len(r), m.ns_shape[1]), ns_steps) for r in m.parts) if m.parts
+                             else ns_flops(m.ns_shape, ns_steps)) for m in self._muon]
         self._recorder = ReadinessRecorder(len(self._muon)) if self.config.readiness_order == "observed" else None
         self._plan(list(reversed(range(len(self._muon)))))
         self._check_plan_everywhere()
@@ -221,9 +257,13 @@ class OverlapMuon(torch.optim.Optimizer):
         self._handles: list[Any] = []
         self._tracker: GradReadyTracker | None = None
         self._covered: set[int] = set()  # Muon params a forward wait covered, recorded until coverage is decided
-        self._forward_ran = False  # the model's forward ran since the last step() (set by a root pre-hook)
+        self._forward_ran = False  # a forward wait ran (a forward of the model) before coverage was decided
         self._coverage_decided = False
         self._module_params: dict[nn.Module, set[int]] = {}
+        self._at_boundary = False  # a compiled module's wait ran eagerly in this forward (reset at the root's)
+        self._root_id = id(model)
+        self._subtree: dict[int, set[int]] = {}  # id(module) -> Muon indices of its params, recursively
+        self._on_traced_cb: Callable[[], None] | None = None
         if self.config.overlap and self._muon:
             self._tracker = GradReadyTracker([m.param for m in self._muon], weak_callback(self._on_ready),
                                              on_backward_end=weak_callback(self._on_backward_end))
@@ -243,15 +283,31 @@ class OverlapMuon(torch.optim.Optimizer):
     def _raise_everywhere(self, errors: list[str]) -> None:
         """Raise on every rank if any rank found bad input (invariant 6), before any exchange.
 
-        Only the first error of a kind that explains the rest is kept per rank: a domain error makes every
-        param check meaningless."""
+        The constructor calls it first with the mesh/domain error alone (it makes every param check meaningless),
+        then with the params' errors. A message several ranks share is shown once; after 8 messages the rest are
+        counted."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, errors)
             errors = list(errors) + [f"(rank {r}) {e}" for r, errs in enumerate(gathered) if r != self._rank
-                                     for e in errs]
+                                     for e in errs if e not in errors]  # the same message once
         if errors:
-            raise ValueError("OverlapMuon: " + "; ".join(dict.fromkeys(errors)))
+            msgs = list(dict.fromkeys(errors))
+            more = f"; and {len(msgs) - 8} more" if len(msgs) > 8 else ""
+            raise ValueError("OverlapMuon: " + "; ".join(msgs[:8]) + more)
+
+    def _log_split(self, adamw_groups: list[dict[str, Any]], named: dict[str, Tensor]) -> None:
+        """Rank 0, at construction: which params went to Muon and which to AdamW (a table, then one summary line)."""
+        names: dict[int, str] = {}
+        for n, p in named.items():  # a tied param: its first name, then "= alias"
+            names[id(p)] = f"{names[id(p)]} = {n}" if id(p) in names else n
+        mu = [(m.name, m.full_shape, m.transposed) for m in self._muon]
+        aw = [(names.get(id(p), "?"), tuple(p.shape), gi) for gi, grp in enumerate(adamw_groups) for p in grp["params"]]
+        nb = (sum(m.full_shape[0] * m.full_shape[1] * m.param.element_size() for m in self._muon),
+              sum(p.numel() * p.element_size() for grp in adamw_groups for p in grp["params"]))
+        table, summary = split_table(mu, aw, nb)
+        logger.info("%s", table)
+        logger.info("%s", summary)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: params, domain layout, homes, waves and hooks are planned once.
@@ -316,12 +372,14 @@ class OverlapMuon(torch.optim.Optimizer):
     def _register_waits(self, model: nn.Module) -> None:
         """Forward pre-hooks (prepended, before FSDP2's all-gather) waiting for the waves of the params each
         module's forward reads (``hooks.params_read_by_module``)."""
-        self._module_params = params_read_by_module(model, {id(m.param): m.index for m in self._muon})
-        self._handles += register_forward_waits(list(self._module_params), weak_callback(self._wait_module))
-        self._handles.append(model.register_forward_pre_hook(weak_callback(self._saw_forward)))
-
-    def _saw_forward(self, *_: Any) -> None:
-        self._forward_ran = True
+        index = {id(m.param): m.index for m in self._muon}
+        self._module_params = params_read_by_module(model, index)
+        # Every ancestor of a reading module gets a hook too: any of them may be compiled, and then it is the
+        # boundary that waits for its subtree ([Note: forward waits under torch.compile] in hooks/forward_wait.py).
+        self._subtree = {id(mod): {index[id(p)] for p in mod.parameters() if id(p) in index} for mod in model.modules()}
+        hooked = [mod for mod in model.modules() if self._subtree[id(mod)]]
+        self._on_traced_cb = weak_callback(self._on_traced)
+        self._handles += register_forward_waits(hooked, weak_callback(self._wait_module), self._on_traced_cb)
 
     # ------------------------------------------------------------------------------------------------------
     # hooks -> dispatcher -> pipeline; forward waits -> pipeline
@@ -351,15 +409,43 @@ class OverlapMuon(torch.optim.Optimizer):
         """Forward pre-hook body: wait for the waves of ``module``'s params, and of the modules FSDP2 will
         prefetch from ``module``'s pre-forward (``set_modules_to_forward_prefetch``), since that all-gather reads
         their shards before their own pre-hooks run. FSDP2's all-gather streams wait too ([Note: FSDP2 streams]
-        in ``hooks/forward_wait.py``)."""
+        in ``hooks/forward_wait.py``). A compiled module waits for its whole subtree: the hooks inside it trace to
+        nothing ([Note: forward waits under torch.compile] in ``hooks/forward_wait.py``)."""
         mods = [module]
         if isinstance(module, FSDPModule):
             for other in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", ()):
                 mods.extend(getattr(other, "_modules", ()))
         indices = {i for m in mods for i in self._module_params.get(m, ())}
+        self._forward_ran = True  # a forward of the model is running (the first step's coverage counts from it)
+        boundary = compile_boundary(module)
+        if boundary or id(module) == self._root_id:  # the root's forward starts a new forward: forget the last
+            self._at_boundary = boundary
+        if boundary:
+            indices |= self._subtree.get(id(module)) or {m.index for m in self._muon
+                                                         if any(m.param is p for p in module.parameters())}
         if not self._coverage_decided:
             self._covered |= indices
         self._pipeline.wait(self._waves_of(indices), streams=fsdp_param_streams(module))
+
+    def _on_traced(self) -> None:
+        """Trace time: Dynamo inlined a wait hook into a graph. The wait has moved to the compiled module whose hook
+        ran eagerly before the trace ([Note: forward waits under torch.compile]); without one the compiled forward
+        could read weights before their update lands. (Checked per forward, not per module: a graph break may run
+        a submodule eagerly between the boundary's wait and a later trace.)
+
+        Raises:
+            RuntimeError: no compiled module's wait ran eagerly in this forward (e.g. ``torch.compile`` of a function
+                calling the model: no hook of ours runs eagerly).
+        """
+        if self._at_boundary:
+            return
+        raise RuntimeError(
+            "OverlapMuon (overlap=True): torch.compile traces a module's forward wait, but no compiled module of the "
+            "model ran its wait eagerly first (the model is compiled from outside, e.g. torch.compile of a function "
+            "that calls it), so the compiled forward could read weights before their update lands. Supported: "
+            "per-block block.compile() / torch.compile(block), and model.compile() / torch.compile(model); or use "
+            "overlap=False."
+        )
 
     def _sync_hook(self, *_: Any) -> None:
         self.synchronize()
@@ -461,7 +547,7 @@ class OverlapMuon(torch.optim.Optimizer):
         mine = {index[id(p)] for p in params if id(p) in index}
         self._module_params[module] = self._module_params.get(module, set()) | mine
         self._covered |= mine
-        self._handles += register_forward_waits([module], weak_callback(self._wait_module))
+        self._handles += register_forward_waits([module], weak_callback(self._wait_module), self._on_traced_cb)
 
     def _adopt_observed_order(self) -> None:
         """After the first step: broadcast rank 0's observed readiness order and re-plan the waves with it."""

@@ -294,9 +294,15 @@ class WavePipeline:
             # fulls: the exchanged matrices homed here (positions ex[st.mine]), then the replicated ones
             mps = [self.muon[i] for i in st.items]
             ex = [j for j, m in enumerate(mps) if not m.replicated]
-            parts = [mps[ex[j]].parts for j in st.mine] + [m.parts for m in mps if m.replicated]
-            st.outs = split_ns(st.fulls, parts,
-                               lambda mats: wrap(self._ns_many, mats, kw) if wrap else self._ns_many(mats, kw))
+            homed = [mps[ex[j]] for j in st.mine] + [m for m in mps if m.replicated]
+            # [Note: transposed weights] a weight stored (in, out) (HF Conv1D) is the (out, in) linear W^T: NS runs
+            # on a contiguous copy of W^T, exactly the matrix torch.optim.Muon sees for the equivalent nn.Linear, and
+            # the result is transposed back to the stored layout. Bitwise by construction (no op sees other values or
+            # strides than the reference's); the lr ratio uses MuonParam.ns_shape, the (out, in) shape.
+            mats = [f.T.contiguous() if m.transposed else f for f, m in zip(st.fulls, homed)]
+            outs = split_ns(mats, [m.parts for m in homed],
+                            lambda ms: wrap(self._ns_many, ms, kw) if wrap else self._ns_many(ms, kw))
+            st.outs = [o.T.contiguous() if m.transposed else o for o, m in zip(outs, homed)]
         if self._eager_release:
             st.fulls = None
 
@@ -339,6 +345,8 @@ class WavePipeline:
                     buf = local_tensor(self.state[m.param]["momentum_buffer"])
                     momentum_update_(buf, local_tensor(st.grads[j]), st.hyper.momentum)
                     p, u = local_tensor(m.param), st.updates[j]
+                    if m.transposed:  # apply to the (out, in) matrix torch's nn.Linear reference updates
+                        p, u = p.T, u.T
                     for a, b, shape, region in m.runs:  # one run unless the matrix is split (overlap_muon.split)
                         whole = a == 0 and b == p.size(0)
                         apply_update(p if whole else p[a:b], u if whole else u[a:b], lr, weight_decay,

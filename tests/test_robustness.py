@@ -138,14 +138,14 @@ class _Tied(nn.Module):
         self.c = nn.Linear(d, d)
         self.b = nn.Linear(d, d, bias=False)
         self.b.weight = self.a.weight
-        self.head = nn.Linear(d, 6, bias=False)
+        self.last = nn.Linear(d, 6, bias=False)  # not named "head": an output head goes to AdamW by default
 
     def forward(self, x):
         x = torch.tanh(self.a(x))
         x = torch.tanh(self.c(x))
         x = torch.tanh(self.c(x))
         x = torch.tanh(self.b(x))
-        return self.head(x)
+        return self.last(x)
 
 
 @pytest.mark.timeout(60)
@@ -159,8 +159,8 @@ def test_tied_weight_and_module_called_twice_single_process(overlap):
     ref = _Tied()
     ref.load_state_dict(model.state_dict())
     opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, overlap=overlap, **HP)
-    assert opt.muon_param_names == ["a.weight", "c.weight", "head.weight"]
-    mu = torch.optim.Muon([ref.a.weight, ref.c.weight, ref.head.weight], **HP)
+    assert opt.muon_param_names == ["a.weight", "c.weight", "last.weight"]
+    mu = torch.optim.Muon([ref.a.weight, ref.c.weight, ref.last.weight], **HP)
     aw = torch.optim.AdamW([ref.c.bias], **ADAMW_KW)
     gen = torch.Generator().manual_seed(7)
     for s in range(steps):

@@ -1,0 +1,162 @@
+"""Which params go to Muon and which to AdamW (and to which AdamW group), and the table rank 0 logs of it.
+
+[Note: the default split] Muon is for the hidden layers' matrices. By default a param is a Muon matrix when it is
+the 2-D weight of an ``nn.Linear`` or of a Hugging Face ``Conv1D`` (GPT-2's linears, stored ``(in, out)``), and
+it is neither
+
+* an embedding: the weight of an ``nn.Embedding`` (or of HF's ``get_input_embeddings()``), including any linear
+  whose weight is tied to it (an output head sharing the embedding matrix is the same tensor), nor
+* the output head: HF's ``get_output_embeddings()``, or a ``nn.Linear`` child of the root module named
+  ``lm_head`` (HF, nanoGPT), ``output`` (torchtitan), ``output_layer`` (Megatron-Core) or ``head``.
+
+Those go to AdamW, with the 1-D params (norms, biases). Source: Keller Jordan, "Muon: An optimizer for hidden layers
+in neural networks" (2024), which says Muon is meant for the hidden weight layers only and that the input embedding
+and the final output layer (like gains and biases) should use a standard optimizer such as AdamW; Megatron-Core's
+Muon support makes the same split (as issue 16 reports). A ``muon_filter`` replaces this rule entirely.
+
+HF ``Conv1D`` is detected without importing transformers: a module whose class is named ``Conv1D`` and which has
+the ``nf`` attribute (its output width) of HF's ``transformers.pytorch_utils.Conv1D``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["HEAD_NAMES", "conv1d_weights", "default_muon_ids", "adamw_param_groups", "split_table"]
+
+HEAD_NAMES = ("lm_head", "output", "output_layer", "head")
+"""Names of a root's ``nn.Linear`` child taken as the output head (HF/nanoGPT, torchtitan, Megatron-Core, timm)."""
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    w = getattr(m, "weight", None)
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(w, Tensor) and w.ndim == 2
+
+
+def conv1d_weights(model: nn.Module) -> set[int]:
+    """``id`` of every HF ``Conv1D`` weight in ``model`` (stored ``(in, out)``, used as ``x @ W + b``)."""
+    return {id(m.weight) for m in model.modules() if _is_conv1d(m)}
+
+
+def _hf_module(model: nn.Module, getter: str) -> Any:
+    fn = getattr(model, getter, None)
+    if not callable(fn):
+        return None
+    try:
+        return fn()
+    except (NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def default_muon_ids(model: nn.Module) -> set[int]:
+    """``id`` of the params the default rule ([Note: the default split]) gives to Muon."""
+    mats = {id(m.weight) for m in model.modules()
+            if (isinstance(m, nn.Linear) or _is_conv1d(m)) and isinstance(m.weight, Tensor) and m.weight.ndim == 2}
+    excluded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        mod = _hf_module(model, getter)
+        if isinstance(getattr(mod, "weight", None), Tensor):
+            excluded.add(id(mod.weight))
+    for name, child in model.named_children():
+        if name in HEAD_NAMES and isinstance(child, nn.Linear):
+            excluded.add(id(child.weight))
+    return mats - excluded
+
+
+def adamw_param_groups(
+    named: Sequence[tuple[str, Tensor]], specs: Sequence[dict[str, Any]] | None, muon_names: set[str],
+    all_names: dict[str, Tensor],
+) -> list[dict[str, Any]]:
+    """The inner AdamW's param groups: one per ``specs`` entry (in order), then one for the params left over.
+
+    Args:
+        named: the AdamW params ``(name, param)``, in registration order.
+        specs: ``adamw_groups``: dicts whose ``"params"`` selects params by a ``(name, param) -> bool`` callable,
+            or by an iterable of param names or of the params themselves; every other key (``lr``,
+            ``weight_decay``, ``betas``, ...) overrides ``adamw_kwargs`` for that group. A param goes to the first
+            group that selects it; the params no group selects form a last group with ``adamw_kwargs``.
+        muon_names: names of the Muon params (selecting one by name is an error).
+        all_names: every param of the model by each of its names (tied params under every name).
+
+    Returns:
+        Group dicts for ``torch.optim.AdamW`` (a group may be empty when its callable selects nothing; the
+        leftover group is omitted when empty).
+
+    Raises:
+        TypeError: a spec is not a dict with a ``"params"`` entry.
+        ValueError: a spec names a param the model does not have, or a Muon param.
+    """
+    if not specs:
+        return [{"params": [p for _, p in named]}] if named else []
+    taken: set[int] = set()
+    muon_ids = {id(all_names[n]) for n in muon_names if n in all_names}
+    by_id_name = {id(p): n for n, p in all_names.items()}
+    groups = []
+    for k, spec in enumerate(specs):
+        if not isinstance(spec, dict) or "params" not in spec:
+            raise TypeError(f"adamw_groups[{k}] must be a dict with a 'params' entry, got {spec!r}")
+        sel = spec["params"]
+        if callable(sel):
+            pick: Callable[[str, Tensor], bool] = sel
+        else:
+            items = [sel] if isinstance(sel, (str, Tensor)) else list(sel)
+            wanted: set[int] = set()
+            for it in items:
+                n = it if isinstance(it, str) else by_id_name.get(id(it))
+                if n is None or n not in all_names:
+                    raise ValueError(f"adamw_groups[{k}] selects {it if isinstance(it, str) else 'a tensor'!r}, "
+                                     "which is not a param of the model")
+                if n in muon_names or id(all_names[n]) in muon_ids:
+                    raise ValueError(f"adamw_groups[{k}] selects {n!r}, a Muon param; adamw_groups place AdamW params "
+                                     "only (use muon_filter to move a param to AdamW)")
+                wanted.add(id(all_names[n]))
+            pick = lambda n, p, wanted=wanted: id(p) in wanted  # noqa: E731
+        params = [p for n, p in named if id(p) not in taken and pick(n, p)]
+        taken |= {id(p) for p in params}
+        groups.append({**{key: v for key, v in spec.items() if key != "params"}, "params": params})
+    rest = [p for _, p in named if id(p) not in taken]
+    return groups + ([{"params": rest}] if rest else [])
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+
+
+def split_table(
+    muon: Iterable[tuple[str, tuple[int, ...], bool]], adamw: Iterable[tuple[str, tuple[int, ...], int]],
+    nbytes: tuple[int, int],
+) -> tuple[str, str]:
+    """``(table, summary)``: which params went where, for rank 0's log at construction.
+
+    Args:
+        muon: ``(name, full shape, transposed)`` of each Muon matrix.
+        adamw: ``(name, full shape, AdamW group index)`` of each AdamW param.
+        nbytes: bytes of the Muon params and of the AdamW params (full logical sizes, param dtype).
+
+    Returns:
+        A table with one row per name pattern (layer indices folded into ``*``, with a count) and shape, and a
+        one-line summary with counts and bytes.
+    """
+    rows: dict[tuple[str, str, str], int] = {}
+    n_muon = n_adamw = 0
+    for name, shape, tr in muon:
+        n_muon += 1
+        key = ("muon", _pattern(name), f"{tuple(shape)}{' (in, out): NS on its transpose' if tr else ''}")
+        rows[key] = rows.get(key, 0) + 1
+    for name, shape, gi in adamw:
+        n_adamw += 1
+        key = (f"adamw[{gi}]", _pattern(name), str(tuple(shape)))
+        rows[key] = rows.get(key, 0) + 1
+    w = max([len(k[1]) for k in rows] + [4])
+    lines = [f"  {alg:<9} {pat:<{w}} x{cnt:<4} {shape}" for (alg, pat, shape), cnt in rows.items()]
+    summary = (f"OverlapMuon params: {n_muon} Muon matrices ({_mib(nbytes[0])}), {n_adamw} AdamW params "
+               f"({_mib(nbytes[1])})")
+    return "OverlapMuon param split (algorithm, name, count, full shape):\n" + "\n".join(lines), summary
+
+
+def _mib(n: int) -> str:
+    return f"{n} B" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"

@@ -66,9 +66,6 @@ class OverlapMuonConfig:
     """Wave order: ``reverse`` registration order, or ``observed`` (rank 0's first-step order, broadcast)."""
     skip_nonfinite: bool = _opt(False, "OVERLAP_MUON_SKIP_NONFINITE", kind=bool)
     """Skip the whole step on every rank when any Muon gradient on any rank is non-finite."""
-    surplus: str = _opt("idle", "OVERLAP_MUON_SURPLUS", choices=("idle", "duplicate", "team", "auto"))
-    """What homes without a matrix in a wave do (``scheduler.surplus``): ``idle``, ``duplicate`` (extra homes of a
-    matrix), ``team`` (split one matrix's NS) or ``auto`` (by the cost model)."""
     syrk: bool = _opt(False, "OVERLAP_MUON_SYRK", kind=bool)
     """NS computes ``X Xᵀ`` and ``A @ A`` as symmetric block products (fewer FLOPs; not bitwise on this CPU, see
     ``overlap_muon.ns`` [Note: symmetric Gram]), off by default."""

@@ -14,6 +14,7 @@ home assembles bit for bit, and the learning-rate ratio uses the full logical sh
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import datetime
 import logging
 import warnings
@@ -108,8 +109,8 @@ class OverlapMuon(torch.optim.Optimizer):
         remat_dim, tp_dim: see ``device_mesh`` (torchtitan: ``remat_dim="dp_shard"`` or ``"fsdp"``).
         tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``; a plain
             param without one holds the whole matrix and is replicated: [Note: replicated params] in ``domain.py``).
-        mode, fused_a2a, batch_ns, balance, overlap, wave_slots, side_streams, nvtx, pg_timeout_s,
-            readiness_order, skip_nonfinite, check_grad_presence: options (``overlap_muon.config``); ``None``
+        mode, fused_a2a, batch_ns, balance, overlap, wave_plan, wave_slots, side_streams, nvtx, pg_timeout_s,
+            readiness_order, skip_nonfinite, syrk, check_grad_presence: options (``overlap_muon.config``); ``None``
             takes the environment variable or the default.
 
     Raises:
@@ -198,6 +199,10 @@ class OverlapMuon(torch.optim.Optimizer):
             mp.runs = apply_runs(mp.parts, mp.ns_shape, (shard[2], shard[3], shard[0], shard[1]) if mp.transposed
                                  else shard)
             errors += [err] if err else []
+        if isinstance(split, dict):
+            unused = [k for k in split if not any(fnmatch.fnmatchcase(m.name, k) for m in self._muon)]
+            errors += [f"split patterns {unused} match no Muon param (Muon params: {[m.name for m in self._muon][:8]}"
+                       f"{' ...' if len(self._muon) > 8 else ''})"] if unused else []
         if max_grad_norm is not None and R * T > 1 and any(not isinstance(m.param, DTensor) for m in self._muon):
             errors.append("max_grad_norm needs DTensor params on a multi-rank domain (a plain shard's norm cannot "
                           "be reduced without knowing which peers hold copies); clip the gradients yourself")
@@ -363,11 +368,12 @@ class OverlapMuon(torch.optim.Optimizer):
             return
         both: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(both, (fps, names, options))
+        odd = [f"rank {r}: {b[2]}" for r, b in enumerate(both) if b[2] != both[0][2]]
+        if odd:
+            raise ValueError(f"OverlapMuon: the ranks were given different options (rank 0: {both[0][2]}; "
+                             f"{'; '.join(odd)}); every rank must pass the same arguments and environment")
         diff = first_plan_difference([b[0] for b in both], [b[1] for b in both])
-        what = diff.message() if diff is not None else "options differ: " + "; ".join(
-            f"rank {r}: {b[2]}" for r, b in enumerate(both) if b[2] != both[0][2])
-        raise ValueError(f"OverlapMuon: the ranks planned different Muon waves ({what}); every rank must build the "
-                         "optimizer on the same model, with the same options and environment")
+        raise ValueError(diff.message() if diff is not None else "OverlapMuon: the ranks planned different waves")
 
     def _register_waits(self, model: nn.Module) -> None:
         """Forward pre-hooks (prepended, before FSDP2's all-gather) waiting for the waves of the params each

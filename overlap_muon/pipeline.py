@@ -454,23 +454,41 @@ class WavePipeline:
             self.discard()
             return 0
         reruns = 0
-        if validate and pending:
-            hyper = Hyper.of(group)
-            flags = torch.tensor([1 if self.stale(pending[w.index], hyper) else 0 for w in waves], dtype=torch.uint8)
-            if self.ctrl_group is not None:
-                self._agree(flags, pending)
-            for w, f in zip(waves, flags.tolist()):
-                if f:
-                    pending[w.index] = self.launch(w, hyper)
-                    reruns += 1
-            self.stats["reruns"] += reruns
+        hyper = Hyper.of(group)
+        stale = [1 if validate and w.index in pending and self.stale(pending[w.index], hyper) else 0 for w in waves]
+        if self.ctrl_group is not None and pending:
+            # One host-side all-reduce (gloo, no device tensor): which waves any rank finds stale, and whether the
+            # ranks agree on which params have a gradient: a mismatch is a ValueError on every rank here, before
+            # anything is applied (the per-wave check on the lane only keeps the exchanges from hanging).
+            have = [1 if m.param.grad is not None else 0 for m in self.muon]
+            flags = torch.tensor(stale + have + [1 - h for h in have], dtype=torch.uint8)
+            self._agree(flags, pending)
+            n, k = len(stale), len(have)
+            stale = flags[:n].tolist()
+            split = [m.name for m, a, b in zip(self.muon, flags[n:n + k].tolist(), flags[n + k:].tolist()) if a and b]
+            if split:
+                self.discard()
+                raise ValueError(
+                    f"OverlapMuon step(): Muon params {split[:8]}{' ...' if len(split) > 8 else ''} have a gradient "
+                    "on some ranks and not on others; every rank must compute the same params' gradients. Nothing "
+                    "was applied."
+                )
+        for w, f in zip(waves, stale):
+            if f:
+                pending[w.index] = self.launch(w, hyper)
+                reruns += 1
+        self.stats["reruns"] += reruns
         lr = group["lr"]
         lr = lr.clone() if isinstance(lr, Tensor) else lr  # a scheduler may fill it before the apply runs
         wd, adj = group["weight_decay"], group["adjust_lr_fn"]
+        # Every apply waits for every wave's scatter: a wave that failed (a dead peer, bad input found on a lane)
+        # fails them all, so a step is applied whole or not at all. (The from_home lane is FIFO in wave order, so
+        # this delays no apply: the last wave's, which the next forward needs first, ran last anyway.)
+        scattered = [st.h_from for st in pending.values() if st.h_from is not None]
         with self._lock:
             for k in sorted(pending):
                 st = pending[k]
-                deps = [st.h_from] if st.h_from is not None else []
+                deps = scattered
                 st.h_apply = self.lanes.submit("from_home", lambda st=st: self._apply_task(st, lr, wd, adj), deps=deps)
                 st.committed = True
                 self._pending.pop(k, None)
@@ -619,6 +637,8 @@ def _wait(h: LaneHandle | None, streams: Sequence[Any]) -> None:
         if h.event is not None:
             for s in streams:
                 s.wait_event(h.event)
+    except ValueError as e:  # bad input found on the lane (gradient presence): raised on every rank, stays a ValueError
+        raise ValueError(f"OverlapMuon: {e}") from e
     except BaseException as e:
         raise RuntimeError(
             f"OverlapMuon: a {h.lane} lane task failed (see the chained exception for its traceback); "

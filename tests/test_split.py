@@ -35,6 +35,9 @@ def test_bad_split_is_an_error_naming_the_param():
     model = nn.Sequential(nn.Linear(D, 30, bias=False))
     with pytest.raises(ValueError, match=r"'0.weight'.*30"):
         OverlapMuon(model, split={"0.weight": QKVSplit(4, 2, 4)})
+    # a typo would silently leave the fused weight one matrix (a different optimizer): an error instead
+    with pytest.raises(ValueError, match=r"split patterns \['0.wieght'\] match no Muon param"):
+        OverlapMuon(model, split={"0.wieght": QKVSplit(4, 2, 4)})
 
 
 def _full_grads(shape, steps):

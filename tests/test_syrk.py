@@ -106,7 +106,7 @@ def test_bad_block_is_a_value_error():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# toggles: OVERLAP_MUON_SYRK (bool, default off), OVERLAP_MUON_SURPLUS (idle|duplicate|team|auto, default idle)
+# toggles: OVERLAP_MUON_SYRK (bool, default off)
 # ---------------------------------------------------------------------------------------------------------------
 def test_syrk_toggle():
     cfg = resolve_config({})
@@ -122,15 +122,3 @@ def test_syrk_toggle():
         resolve_config(syrk="yes")
 
 
-def test_surplus_toggle():
-    cfg = resolve_config({})
-    assert cfg.surplus == "idle" and cfg.sources["surplus"] == "default"
-    for v in ("idle", "duplicate", "team", "auto"):
-        assert resolve_config({"OVERLAP_MUON_SURPLUS": v.upper()}).surplus == v
-    with pytest.raises(ValueError, match="OVERLAP_MUON_SURPLUS"):
-        resolve_config({"OVERLAP_MUON_SURPLUS": "spare"})
-    with pytest.raises(ValueError, match="surplus"):
-        resolve_config(surplus="spare")
-    cfg = resolve_config({"OVERLAP_MUON_SURPLUS": "team"}, surplus="auto")
-    assert cfg.surplus == "auto" and cfg.sources["surplus"] == "argument"
-    assert "surplus='auto'(argument)" in cfg.describe()

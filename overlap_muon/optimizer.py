@@ -31,12 +31,10 @@ from hooks import (
     GradReadyTracker, ParamOwners, ddp_readiness_hook, fsdp_param_streams, params_read_by_module,
     compile_boundary, register_forward_waits, weak_callback,
 )
-from scheduler import (
-    ReadinessRecorder, WaveDispatcher, first_plan_difference, ns_flops, param_fingerprints, plan_hash, plan_waves,
-    plan_waves_by_cost,
-)
+from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_waves, plan_waves_by_cost
 from scheduler.waves import Wave
 
+from .checks import check_plan_everywhere, raise_everywhere
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
 from .domain import Domain, block, describe_param, discover_layouts, local_tensor, mesh_dims, my_coords
@@ -183,7 +181,7 @@ class OverlapMuon(torch.optim.Optimizer):
             else:
                 muon_named.append((name, p))
         layouts, mesh_err = discover_layouts(device_mesh, tp_group, remat_group, remat_dim, tp_dim)
-        self._raise_everywhere([mesh_err] if mesh_err else [])
+        raise_everywhere([mesh_err] if mesh_err else [])
         R, T, g, t = my_coords(layouts, self._rank)
         dims = mesh_dims(device_mesh, remat_dim, tp_dim)[0] if device_mesh is not None else None
         described = [describe_param(i, n, p, device_mesh, R, T, g, t, dims=dims) for i, (n, p) in enumerate(muon_named)]
@@ -212,7 +210,7 @@ class OverlapMuon(torch.optim.Optimizer):
         except ValueError as e:
             errors.append(str(e))
             adamw_groups_ = []
-        self._raise_everywhere(errors + [err for _, err in described if err])
+        raise_everywhere(errors + [err for _, err in described if err])
         if self._rank == 0:
             self._log_split(adamw_groups_, all_named)
 
@@ -254,7 +252,7 @@ class OverlapMuon(torch.optim.Optimizer):
                              else ns_flops(m.ns_shape, ns_steps)) for m in self._muon]
         self._recorder = ReadinessRecorder(len(self._muon)) if self.config.readiness_order == "observed" else None
         self._plan(list(reversed(range(len(self._muon)))))
-        self._check_plan_everywhere()
+        check_plan_everywhere(self._muon, self._waves, self.config)
         self._accumulating = False
         self._warned_reruns = False
         self._step_count = 0
@@ -285,22 +283,6 @@ class OverlapMuon(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------------
     # construction helpers
     # ------------------------------------------------------------------------------------------------------
-    def _raise_everywhere(self, errors: list[str]) -> None:
-        """Raise on every rank if any rank found bad input (invariant 6), before any exchange.
-
-        The constructor calls it first with the mesh/domain error alone (it makes every param check meaningless),
-        then with the params' errors. A message several ranks share is shown once; after 8 messages the rest are
-        counted."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, errors)
-            errors = list(errors) + [f"(rank {r}) {e}" for r, errs in enumerate(gathered) if r != self._rank
-                                     for e in errs if e not in errors]  # the same message once
-        if errors:
-            msgs = list(dict.fromkeys(errors))
-            more = f"; and {len(msgs) - 8} more" if len(msgs) > 8 else ""
-            raise ValueError("OverlapMuon: " + "; ".join(msgs[:8]) + more)
-
     def _log_split(self, adamw_groups: list[dict[str, Any]], named: dict[str, Tensor]) -> None:
         """Rank 0, at construction: which params went to Muon and which to AdamW (a table, then one summary line)."""
         names: dict[int, str] = {}
@@ -348,32 +330,6 @@ class OverlapMuon(torch.optim.Optimizer):
         self._wave_of = {i: w.index for w in self._waves for i in w.params}
         self._dispatcher = WaveDispatcher(self._waves, self._launch)
         self._pipeline.reset_plans()
-
-    def _check_plan_everywhere(self) -> None:
-        """Every rank must plan the same waves and run the same options, or the exchanges would pair up wrongly:
-        compare a hash of the plan (``scheduler.plan_hash``) across ranks, once, at construction.
-
-        Raises:
-            ValueError: on every rank, naming the first param whose place in the plan differs, or the options.
-        """
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
-        names = [m.name for m in self._muon]
-        fps = param_fingerprints(names, [m.full_shape for m in self._muon], [m.partition_dim for m in self._muon],
-                                 self._waves)
-        options = self.config.describe().replace("(env)", "").replace("(argument)", "").replace("(default)", "")
-        hashes: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(hashes, plan_hash(fps, extra=(options,)))
-        if len(set(hashes)) == 1:
-            return
-        both: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(both, (fps, names, options))
-        odd = [f"rank {r}: {b[2]}" for r, b in enumerate(both) if b[2] != both[0][2]]
-        if odd:
-            raise ValueError(f"OverlapMuon: the ranks were given different options (rank 0: {both[0][2]}; "
-                             f"{'; '.join(odd)}); every rank must pass the same arguments and environment")
-        diff = first_plan_difference([b[0] for b in both], [b[1] for b in both])
-        raise ValueError(diff.message() if diff is not None else "OverlapMuon: the ranks planned different waves")
 
     def _register_waits(self, model: nn.Module) -> None:
         """Forward pre-hooks (prepended, before FSDP2's all-gather) waiting for the waves of the params each

@@ -1,0 +1,61 @@
+"""Collective checks at construction: bad input and mismatched plans are a clear error on every rank, before any
+rank enters an exchange (DESIGN.md invariant 6)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from scheduler import first_plan_difference, param_fingerprints, plan_hash
+from scheduler.waves import Wave
+
+from .config import OverlapMuonConfig
+from .domain import MuonParam
+
+__all__ = ["raise_everywhere", "check_plan_everywhere"]
+
+
+def raise_everywhere(errors: list[str]) -> None:
+    """Raise on every rank if any rank found bad input (invariant 6), before any exchange.
+
+    The constructor calls it first with the mesh/domain error alone (it makes every param check meaningless),
+    then with the params' errors. A message several ranks share is shown once; after 8 messages the rest are
+    counted."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, errors)
+        errors = list(errors) + [f"(rank {r}) {e}" for r, errs in enumerate(gathered) if r != dist.get_rank()
+                                 for e in errs if e not in errors]  # the same message once
+    if errors:
+        msgs = list(dict.fromkeys(errors))
+        more = f"; and {len(msgs) - 8} more" if len(msgs) > 8 else ""
+        raise ValueError("OverlapMuon: " + "; ".join(msgs[:8]) + more)
+
+
+def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], config: OverlapMuonConfig) -> None:
+    """Every rank must plan the same waves and run the same options, or the exchanges would pair up wrongly:
+    compare a hash of the plan (``scheduler.plan_hash``) across ranks, once, at construction.
+
+    Raises:
+        ValueError: on every rank, naming the first param whose place in the plan differs, or the options.
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    names = [m.name for m in muon]
+    fps = param_fingerprints(names, [m.full_shape for m in muon], [m.partition_dim for m in muon],
+                             waves)
+    options = config.describe().replace("(env)", "").replace("(argument)", "").replace("(default)", "")
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, plan_hash(fps, extra=(options,)))
+    if len(set(hashes)) == 1:
+        return
+    both: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(both, (fps, names, options))
+    odd = [f"rank {r}: {b[2]}" for r, b in enumerate(both) if b[2] != both[0][2]]
+    if odd:
+        raise ValueError(f"OverlapMuon: the ranks were given different options (rank 0: {both[0][2]}; "
+                         f"{'; '.join(odd)}); every rank must pass the same arguments and environment")
+    diff = first_plan_difference([b[0] for b in both], [b[1] for b in both])
+    raise ValueError(diff.message() if diff is not None else "OverlapMuon: the ranks planned different waves")

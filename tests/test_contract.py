@@ -365,7 +365,7 @@ def _mismatch_body(rank, world):
     from tests.models import PlainShardNet, plain_opt
 
     if rank == 1:
-        os.environ["OVERLAP_MUON_BATCH_NS"] = "0"  # a rank-local environment: a misconfigured launcher
+        os.environ["OVERLAP_MUON_BATCH_NS"] = "1"  # a rank-local environment: a misconfigured launcher
     net = PlainShardNet(1, 2, 0, rank)
     try:
         plain_opt(net, 1, 2, 0, rank)
@@ -379,4 +379,4 @@ def test_ranks_with_different_options_fail_at_construction():
     """Ranks whose plans or options differ would pair their exchanges wrongly and hang: a clear error on every
     rank at construction instead (a hash of the plan compared across ranks)."""
     for msg in run_ranks(_mismatch_body, 2, timeout=90):
-        assert msg is not None and "different options" in msg and "batch_ns=False" in msg, msg
+        assert msg is not None and "different options" in msg and "batch_ns=True" in msg, msg

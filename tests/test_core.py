@@ -95,7 +95,7 @@ def test_mode_balance_slots_timeout_toggles():
             resolve_config({var: raw})
     cfg = resolve_config({})
     assert (cfg.mode, cfg.overlap, cfg.fused_a2a, cfg.batch_ns, cfg.balance, cfg.wave_slots) == (
-        "layer_sharded", True, True, True, "lpt", None)
+        "layer_sharded", True, True, False, "lpt", None)
     assert "mode='layer_sharded'(default)" in cfg.describe()
     with pytest.raises(TypeError):
         resolve_config(bogus=1)

@@ -168,7 +168,7 @@ def test_update_differs_from_sgd_and_counts_ns():
     sgd = TinyNet()
     sgd.load_state_dict(model.state_dict())
     opt = OverlapMuon(model, lr=0.02, weight_decay=0.0, momentum=0.0, nesterov=False, overlap=False,
-                      adamw_kwargs=ADAMW_KW)
+                      batch_ns=True, adamw_kwargs=ADAMW_KW)
     gs = _grads(model, 0)
     for n, p in model.named_parameters():
         p.grad = gs[n].clone()

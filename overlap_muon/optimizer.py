@@ -449,6 +449,8 @@ class OverlapMuon(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: a lane task of an earlier wave failed (its traceback is chained).
+            ValueError: the ranks disagree on which Muon params have a gradient (on every rank; nothing of the step
+                is applied).
         """
         loss = None
         if closure is not None:

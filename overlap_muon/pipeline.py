@@ -496,7 +496,7 @@ class WavePipeline:
         return reruns
 
     def _agree(self, flags: Tensor, pending: dict[int, WaveState]) -> None:
-        """MAX-all-reduce the stale flags over every rank (host tensors, gloo). A failure here (a dead or stalled
+        """The element-wise MAX of ``flags`` over every rank, in place (host tensors, gloo). A failure here (a dead or stalled
         peer) usually fails the pending waves' exchanges too: report the first of those, which names the wave and
         the exchange, else this one.
 
@@ -504,7 +504,12 @@ class WavePipeline:
             RuntimeError: the agreement or a pending wave's exchange failed.
         """
         try:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+            # An all_to_all rather than an all_reduce: every rank hears from every peer directly, so a dead peer is
+            # a reset connection at once, not a ring neighbour's timeout (a live rank stuck behind the dead one).
+            world = dist.get_world_size(self.ctrl_group)
+            everyone = torch.empty(world * flags.numel(), dtype=flags.dtype)
+            dist.all_to_all_single(everyone, flags.repeat(world), group=self.ctrl_group)
+            flags.copy_(everyone.view(world, -1).amax(dim=0))
         except Exception as e:
             with self._lock:
                 states = list(self._applied.values()) + sorted(pending.values(), key=lambda st: st.wave.index)

@@ -504,12 +504,7 @@ class WavePipeline:
             RuntimeError: the agreement or a pending wave's exchange failed.
         """
         try:
-            # An all_to_all rather than an all_reduce: every rank hears from every peer directly, so a dead peer is
-            # a reset connection at once, not a ring neighbour's timeout (a live rank stuck behind the dead one).
-            world = dist.get_world_size(self.ctrl_group)
-            everyone = torch.empty(world * flags.numel(), dtype=flags.dtype)
-            dist.all_to_all_single(everyone, flags.repeat(world), group=self.ctrl_group)
-            flags.copy_(everyone.view(world, -1).amax(dim=0))
+            _max_everywhere(flags, self.ctrl_group)
         except Exception as e:
             with self._lock:
                 states = list(self._applied.values()) + sorted(pending.values(), key=lambda st: st.wave.index)
@@ -611,7 +606,7 @@ class WavePipeline:
         bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any() if grads else torch.tensor(False)
         flag = bad.to("cpu", torch.uint8).reshape(1)
         if self.ctrl_group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+            _max_everywhere(flag, self.ctrl_group)
         return int(flag[0]) == 0
 
     def has_pending(self) -> bool:
@@ -626,6 +621,18 @@ class WavePipeline:
     def close(self) -> None:
         """Stop the lane threads once their queued tasks are done (does not wait for them)."""
         self.lanes.shutdown(wait=False)
+
+
+def _max_everywhere(flags: Tensor, group: dist.ProcessGroup) -> None:
+    """``flags`` (a 1-D CPU tensor) becomes its element-wise MAX over the ranks of ``group`` (gloo), in place.
+
+    An all_to_all rather than an all_reduce: every rank hears from every peer directly, so a dead peer is a reset
+    connection at once, not the timeout of a live ring neighbour stuck behind it.
+    """
+    world = dist.get_world_size(group)
+    everyone = torch.empty(world * flags.numel(), dtype=flags.dtype)
+    dist.all_to_all_single(everyone, flags.repeat(world), group=group)
+    flags.copy_(everyone.view(world, -1).amax(dim=0))
 
 
 def _versions(grad: Tensor) -> tuple[int, int]:

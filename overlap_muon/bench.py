@@ -666,6 +666,7 @@ class _CommCounter:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._orig: dict[str, Callable[..., Any]] = {}
+        self.agreement_groups: set[int] = set()  # ids of the groups step()'s agreement runs on (counted apart)
         self.reset()
 
     def reset(self) -> None:
@@ -673,6 +674,7 @@ class _CommCounter:
         self.input_bytes = 0
         self.sent_bytes = 0
         self.data_sent_bytes = 0  # moved by the data collectives (all_to_all / all_gather), not control flags
+        self.agreement_sent_bytes = 0  # step()'s host-side agreement (stale waves, gradient presence), kept apart
 
     def install(self) -> None:
         for name in _COUNTED:
@@ -703,6 +705,11 @@ class _CommCounter:
 
     def _count(self, name: str, a: dict[str, Any]) -> None:
         group = a.get("group")
+        if group is not None and id(group) in self.agreement_groups:
+            x = a.get("input")
+            with self._lock:
+                self.agreement_sent_bytes += 0 if x is None else x.numel() * x.element_size() * (1 - 1 / dist.get_world_size(group))
+            return
         size = dist.get_world_size(group) if name != "barrier" else 1
         nbytes, sent = 0, 0
         if name == "all_to_all_single":
@@ -755,6 +762,7 @@ def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps
         optimizers[name] = OverlapMuon(net, tp_group=tp, remat_group=rm, overlap=False, muon_filter=_muon_2d,
                                        **kw, **_HP)
     counter = _CommCounter()
+    counter.agreement_groups = {id(o._pipeline.ctrl_group) for o in optimizers.values() if o._pipeline.ctrl_group}
     out: dict[str, Any] = {"shard_bytes": shard_bytes}
     counter.install()
     try:
@@ -770,6 +778,7 @@ def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps
                 "input_bytes_per_step": counter.input_bytes / steps,
                 "sent_bytes_per_step": counter.sent_bytes / steps,
                 "data_sent_bytes_per_step": counter.data_sent_bytes / steps,
+                "agreement_sent_bytes_per_step": counter.agreement_sent_bytes / steps,
             }
     finally:
         counter.uninstall()

@@ -15,10 +15,11 @@
    the wave is *speculative*.
 3. ``step()`` calls :meth:`WavePipeline.commit`: a wave whose gradients were edited in place since launch
    (clipping, unscaling, DDP averaging: the tensors' ``_version`` counters moved), whose set of gradients
-   changed, or whose momentum/NS hyper-parameters changed is *stale*; the ranks agree on the stale set (one
-   small all-reduce on the runtime's gloo group) and re-launch those waves with the current values. Then one
-   ``apply`` task per wave, on the ``from_home`` lane, copies the new momentum into the buffer and applies
-   weight decay and the update with the ``lr`` and ``weight_decay`` read at that ``step()`` call, each element
+   changed, or whose momentum/NS hyper-parameters changed is *stale*; the ranks agree on the stale set and on
+   gradient presence (one small all_to_all of host flags on the runtime's gloo group) and re-launch those waves
+   with the current values. Then one ``apply`` task per wave, on the ``from_home`` lane, after every wave's
+   scatter (a step applies whole or not at all), commits the new momentum (recomputed in place, the same op) and
+   applies weight decay and the update with the ``lr`` and ``weight_decay`` read at that ``step()`` call, each element
    rounded as ``torch.optim.Muon``'s ``add_`` rounds it in the full matrix ([Note: the apply follows torch's
    kernel path] in ``muon_math.py``).
 4. The next forward's pre-hook for ``W``'s module calls :meth:`WavePipeline.wait` (``[k]``): CPU: the host waits

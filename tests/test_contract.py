@@ -245,7 +245,7 @@ def test_ddp_exact_with_or_without_attach(how):
 
 def _fsdp_tp_body(rank, world, case):
     R, T = 2, 2
-    results = []
+    results, reruns = [], 0
     for overlap in (True, False):
         torch.manual_seed(0)
         model, mesh = build_dtensor_model(TinyNet(), R, T)
@@ -266,7 +266,8 @@ def _fsdp_tp_body(rank, world, case):
             opt.zero_grad()
         opt.synchronize()
         results.append([local(p).detach().clone() for p in model.parameters()])
-        reruns = opt.stats["reruns"] if overlap else reruns
+        if overlap:
+            reruns = opt.stats["reruns"]
         opt.close()
     return [n for n, (a, b) in enumerate(zip(*results)) if not torch.equal(a, b)], reruns
 

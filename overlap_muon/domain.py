@@ -30,7 +30,7 @@ except Exception:  # pragma: no cover
 
 __all__ = [
     "Domain", "MuonParam", "chunk_sizes", "chunk_offsets", "block", "block_shape", "local_tensor", "discover_layouts",
-    "describe_param", "mesh_dims",
+    "describe_param", "mesh_dims", "discover_expert_layouts", "describe_expert_param", "domain_gloo_group",
 ]
 
 
@@ -211,6 +211,17 @@ class MuonParam:
     transposed: bool = False
     """The weight is stored ``(in, out)`` (Hugging Face ``Conv1D``): NS and the lr ratio see its transpose
     (:attr:`ns_shape`), the ``(out, in)`` linear it is ([Note: transposed weights] in ``overlap_muon.pipeline``)."""
+    expert: int | None = None
+    """For a grouped expert weight (a 3-D ``(E, P, Q)`` param): which of this rank's ``E_local`` matrices this is;
+    its shard is ``local_tensor(param)[expert]`` (:meth:`local`). ``None`` for a 2-D param."""
+    domain: int = 0
+    """Which domain routes it: 0 the dense ``remat x TP`` domain, 1 the expert domain ([Note: two domains])."""
+
+    def local(self, t: Tensor) -> Tensor:
+        """This matrix's block of ``t`` (the param, its gradient or its momentum buffer): the local shard, and of a
+        grouped expert weight the ``expert``-th matrix of it (a view)."""
+        loc = local_tensor(t)
+        return loc if self.expert is None else loc[self.expert]
 
     @property
     def ns_shape(self) -> tuple[int, int]:
@@ -445,3 +456,129 @@ def describe_param(
             f"partition_dim={pd} on a {R}x{T} domain at (g={g}, t={t})"
         )
     return MuonParam(index, name, p, full, pd, replicated=replicated), None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The expert domain ([Note: two domains])
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def discover_expert_layouts(
+    mesh: Any, etp_group: ProcessGroup | None, ep_dim: str = "ep", etp_dim: str = "etp"
+) -> tuple[list[list[list[int]]] | None, str | None]:
+    """The layouts of every expert domain (``1 x ETP`` grids of global ranks), identical on every rank.
+
+    [Note: two domains] Expert weights are sharded over expert parallelism (EP: which experts a rank holds) and
+    expert tensor parallelism (ETP: how each expert matrix is split), a layout unrelated to the dense
+    ``remat x TP`` one. An expert matrix is shared only by the ETP ranks holding it, so its weight-shard domain is
+    the ETP group; every EP index holds a domain of its own with its own experts (as a replicate dim holds its own
+    copy of the dense domain). Without ETP (no ``etp_dim`` in the mesh, no ``etp_group``) each rank's experts are
+    its own: a ``1 x 1`` domain per rank, NS runs where the matrix lives, nothing is exchanged. Both domains' waves
+    are cut from one readiness order into one wave list that every rank launches in the same order
+    (``OverlapMuon._plan``), and each lane runs its tasks in that order, so every rank posts the collectives of
+    both domains in one global order: the dense groups span the expert ones, and a rank can only wait for a peer
+    that is waiting for an earlier collective of the same order, never for a later one (no cycle, no hang). A
+    rank whose experts have no gradient in a step still runs the (empty) waves' presence agreement within its ETP
+    group and skips their exchanges, as its ETP peers do.
+
+    Args:
+        mesh: a ``DeviceMesh`` with an ``ep_dim`` and/or an ``etp_dim`` (other dims are replicate dims).
+        etp_group: for plain-tensor expert params, this rank's ETP group (not with ``mesh``).
+
+    Returns:
+        ``(layouts, error)``; ``layouts`` is ``None`` for one process.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    if mesh is not None:
+        if etp_group is not None:
+            return None, "pass either expert_mesh or etp_group, not both"
+        names = tuple(mesh.mesh_dim_names or ())
+        if ep_dim not in names and etp_dim not in names:
+            return None, (f"expert_mesh has dims {names}, which include neither ep_dim={ep_dim!r} nor "
+                          f"etp_dim={etp_dim!r}; name its expert-parallel and expert-TP dims (OverlapMuon(..., "
+                          "ep_dim=..., etp_dim=...))")
+        if etp_dim in names:
+            return discover_layouts(mesh, None, None, remat_dim=None, tp_dim=etp_dim)
+    elif etp_group is not None:
+        return discover_layouts(None, etp_group, None)
+    if not initialized or dist.get_world_size() == 1:
+        return None, None
+    return [[[r]] for r in range(dist.get_world_size())], None
+
+
+def domain_gloo_group(layouts: list[list[list[int]]] | None, timeout: datetime.timedelta | None = None
+                      ) -> ProcessGroup | None:
+    """A new gloo group over this rank's domain of ``layouts`` (``None`` for a one-rank domain or one process).
+
+    Collective over the default group: every rank creates every domain's group, in one order."""
+    if not layouts or not (dist.is_available() and dist.is_initialized()):
+        return None
+    me, mine = dist.get_rank(), None
+    kw = {} if timeout is None else {"timeout": timeout}
+    for lay in layouts:
+        ranks = [r for row in lay for r in row]
+        if len(ranks) > 1:
+            group = dist.new_group(ranks=ranks, backend="gloo", **kw)
+            mine = group if me in ranks else mine
+    return mine
+
+
+def describe_expert_param(
+    index: int, name: str, p: Tensor, mesh: Any, T: int, t: int, ep_dim: str = "ep", etp_dim: str = "etp",
+) -> tuple[list[MuonParam], str | None]:
+    """Place one expert param in its ``1 x T`` expert domain ([Note: two domains]): one :class:`MuonParam` per matrix.
+
+    A 2-D param (one expert's linear) is placed as :func:`describe_param` places a dense one (ETP as the TP dim). A
+    3-D param ``(E, P, Q)`` (grouped GEMM weights) is ``E_local`` matrices ``(P, Q)``, batched in NS: as a DTensor
+    on ``mesh``, ``Shard(0)`` (or ``Replicate``) on ``ep_dim`` and ``Shard(1)`` (rows of each matrix, the
+    ``partition_dim`` 0), ``Shard(2)`` (columns, 1) or ``Replicate`` on ``etp_dim``; as a plain tensor its local
+    ``(E_local, p, q)`` block, carrying ``partition_dim`` (0 or 1, of the matrix) when ETP splits it and optionally
+    ``full_shape`` ``(P, Q)``. The names are ``"{name}[e]"`` with ``e`` the local expert index (equal on every EP
+    rank, so the plans of all EP ranks agree).
+
+    Returns:
+        ``(params, None)`` (indices ``index, index + 1, ...``), or ``([], message)`` naming the param, its shape and
+        the expectation.
+    """
+    if p.ndim == 2:
+        dims = (None, etp_dim)
+        mp, err = describe_param(index, name, p, mesh, 1, T, 0, t, dims=dims)
+        if mp is not None:
+            mp.domain = 1
+        return ([mp] if mp is not None else []), err
+    if p.ndim != 3:
+        return [], f"expert param {name!r} has shape {tuple(p.shape)}; expected a 2-D linear or a 3-D (E, P, Q) weight"
+    loc = tuple(local_tensor(p).shape)
+    if isinstance(p, DTensor):
+        if mesh is None:
+            return [], f"expert param {name!r} is a DTensor but no expert_mesh was given"
+        by_name = dict(zip(tuple(p.device_mesh.mesh_dim_names or ()), p.placements))
+        odd = {d: x for d, x in by_name.items() if d not in (ep_dim, etp_dim) and not isinstance(x, Replicate)}
+        ep_pl, etp_pl = by_name.get(ep_dim, Replicate()), by_name.get(etp_dim, Replicate())
+        if odd or not (isinstance(ep_pl, Replicate) or (isinstance(ep_pl, Shard) and ep_pl.dim == 0)):
+            return [], (f"expert param {name!r} (shape {tuple(p.shape)}) has placements {dict(by_name)}; expected "
+                        f"Shard(0) or Replicate on {ep_dim!r}, Shard(1), Shard(2) or Replicate on {etp_dim!r}, "
+                        "Replicate elsewhere")
+        if T > 1 and isinstance(etp_pl, Shard) and etp_pl.dim in (1, 2):
+            pd: int | None = etp_pl.dim - 1
+        elif isinstance(etp_pl, Replicate):
+            pd = None
+        else:
+            return [], f"expert param {name!r} has ETP placement {etp_pl}; expected Shard(1), Shard(2) or Replicate"
+        full = (int(p.shape[1]), int(p.shape[2]))
+        replicated = False
+    else:
+        fs = getattr(p, "full_shape", None)
+        full = (int(fs[0]), int(fs[1])) if fs is not None else None
+        replicated = T > 1 and not hasattr(p, "partition_dim")  # [Note: replicated params]
+        pd = getattr(p, "partition_dim", None) if T > 1 and not replicated else None
+        if pd not in (0, 1, None):
+            return [], f"expert param {name!r} has partition_dim={pd!r}; expected 0 or 1 (of each (P, Q) matrix)"
+        if full is None:
+            full = (loc[1] * (T if pd == 0 else 1), loc[2] * (T if pd == 1 else 1))
+    expected = (loc[0],) + (full if replicated else block_shape(full, pd, 1, T, 0, t))
+    if loc != expected:
+        return [], (f"expert param {name!r} has local shape {loc}, expected {expected} for matrices {full}, "
+                    f"partition_dim={pd} on a 1x{T} expert domain at t={t}")
+    return [MuonParam(index + e, f"{name}[{e}]", p, full, pd, replicated=replicated, expert=e, domain=1)
+            for e in range(loc[0])], None

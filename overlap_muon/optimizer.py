@@ -31,17 +31,20 @@ from hooks import (
     GradReadyTracker, ParamOwners, ddp_readiness_hook, fsdp_param_streams, params_read_by_module,
     compile_boundary, register_forward_waits, weak_callback,
 )
-from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_waves, plan_waves_by_cost
+from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
 from scheduler.waves import Wave
 
 from .checks import check_plan_everywhere, raise_everywhere
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
-from .domain import Domain, block, describe_param, discover_layouts, local_tensor, mesh_dims, my_coords
+from .domain import (
+    Domain, block, describe_expert_param, describe_param, discover_expert_layouts, discover_layouts,
+    domain_gloo_group, local_tensor, mesh_dims, my_coords,
+)
 from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
 from .pipeline import Hyper, TestingSeam, WavePipeline
-from .sorting import adamw_param_groups, conv1d_weights, default_muon_ids, split_table
+from .sorting import adamw_param_groups, conv1d_weights, default_muon_ids, expert_selector, split_table
 from .split import SplitArg, apply_runs, resolve_split
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
 
@@ -107,6 +110,18 @@ class OverlapMuon(torch.optim.Optimizer):
         remat_dim, tp_dim: see ``device_mesh`` (torchtitan: ``remat_dim="dp_shard"`` or ``"fsdp"``).
         tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``; a plain
             param without one holds the whole matrix and is replicated: [Note: replicated params] in ``domain.py``).
+        experts: the expert params (MoE), routed on their own domain ([Note: two domains] in ``domain.py``): an
+            ``fnmatch`` pattern of param names, a list of them, or a ``(name, param) -> bool`` callable. A selected
+            param is a Muon param (with a custom ``muon_filter``, the filter must pick it too): a 2-D linear of one
+            expert, or a 3-D ``(E, P, Q)`` grouped weight, which is ``E`` matrices for NS (equal to
+            ``torch.optim.Muon`` on each ``(P, Q)`` matrix as its own param; named ``"{name}[e]"``, ``e`` local).
+        expert_mesh, ep_dim, etp_dim: the ``DeviceMesh`` over which expert params are DTensors, and its
+            expert-parallel and expert-TP dim names (3-D params: ``Shard(0)`` on ``ep_dim``; ``Shard(1)``,
+            ``Shard(2)`` or ``Replicate`` on ``etp_dim``). Every EP index holds its own experts; the ETP ranks
+            of one index are the expert domain.
+        etp_group: for plain-tensor expert params sharded over expert TP: this rank's ETP group (each param
+            carrying ``partition_dim`` 0 or 1 of its ``(P, Q)`` matrices). Without ``expert_mesh`` and
+            ``etp_group`` every rank's experts are its own (ETP 1): NS runs locally, nothing is exchanged.
         mode, fused_a2a, batch_ns, balance, overlap, wave_plan, wave_slots, side_streams, nvtx, pg_timeout_s,
             readiness_order, skip_nonfinite, syrk, check_grad_presence: options (``overlap_muon.config``); ``None``
             takes the environment variable or the default.
@@ -143,6 +158,11 @@ class OverlapMuon(torch.optim.Optimizer):
         adamw_groups: list[dict[str, Any]] | None = None,
         tp_group: dist.ProcessGroup | None = None,
         remat_group: dist.ProcessGroup | None = None,
+        experts: Any = None,
+        expert_mesh: Any = None,
+        ep_dim: str = "ep",
+        etp_dim: str = "etp",
+        etp_group: dist.ProcessGroup | None = None,
         _testing: TestingSeam | None = None,
         **options: Any,
     ) -> None:
@@ -170,22 +190,38 @@ class OverlapMuon(torch.optim.Optimizer):
         # then the params'.
         default_muon = default_muon_ids(model) if muon_filter is None else set()
         conv1d = conv1d_weights(model)
-        muon_named, adamw_named, errors = [], [], []
+        is_expert = expert_selector(experts)
+        muon_named, adamw_named, errors, expert_ids = [], [], [], set()
         for name, p in model.named_parameters():  # remove_duplicate=True: a tied param appears once
-            pick = muon_filter(name, p) if muon_filter is not None else id(p) in default_muon
+            expert = is_expert(name, p)
+            pick = muon_filter(name, p) if muon_filter is not None else id(p) in default_muon or expert
+            if expert and not pick:
+                errors.append(f"expert param {name!r} is selected by experts= but not by muon_filter")
             if not pick:
                 adamw_named.append((name, p))
-            elif p.ndim != 2 or torch.is_complex(p):
+            elif p.ndim != (3 if expert and p.ndim == 3 else 2) or torch.is_complex(p):
                 errors.append(f"Muon param {name!r} has shape {tuple(p.shape)} and dtype {p.dtype}; Muon needs a "
-                              "real 2-D matrix")
+                              "real 2-D matrix (or, for an expert param, a 3-D (E, P, Q) stack of them)")
             else:
                 muon_named.append((name, p))
+                expert_ids |= {id(p)} if expert else set()
         layouts, mesh_err = discover_layouts(device_mesh, tp_group, remat_group, remat_dim, tp_dim)
-        raise_everywhere([mesh_err] if mesh_err else [])
+        elayouts, emesh_err = discover_expert_layouts(expert_mesh, etp_group, ep_dim, etp_dim)
+        raise_everywhere([e for e in (mesh_err, emesh_err) if e])
         R, T, g, t = my_coords(layouts, self._rank)
+        _, ET, _, et = my_coords(elayouts, self._rank)
         dims = mesh_dims(device_mesh, remat_dim, tp_dim)[0] if device_mesh is not None else None
-        described = [describe_param(i, n, p, device_mesh, R, T, g, t, dims=dims) for i, (n, p) in enumerate(muon_named)]
-        self._muon = [mp for mp, err in described if mp is not None]
+        self._muon, described = [], []  # described: (name, error) per Muon param
+        for n, p in muon_named:
+            if id(p) in expert_ids:
+                mps, err = describe_expert_param(0, n, p, expert_mesh, ET, et, ep_dim, etp_dim)
+            else:
+                mp, err = describe_param(0, n, p, device_mesh, R, T, g, t, dims=dims)
+                mps = [mp] if mp is not None else []
+            self._muon += mps
+            described.append((n, err))
+        for i, mp in enumerate(self._muon):
+            mp.index = i
         for m in self._muon:
             m.transposed = id(m.param) in conv1d
         for mp in self._muon:
@@ -193,7 +229,7 @@ class OverlapMuon(torch.optim.Optimizer):
             if mp.parts is not None and mp.transposed:
                 err = f"split of Muon param {mp.name!r}: a transposed (Conv1D) weight cannot be split yet"
             shard = (0, mp.full_shape[0], 0, mp.full_shape[1]) if mp.replicated else block(
-                mp.full_shape, mp.partition_dim, R, T, g, t)
+                mp.full_shape, mp.partition_dim, *((1, ET, 0, et) if mp.domain else (R, T, g, t)))
             mp.runs = apply_runs(mp.parts, mp.ns_shape, (shard[2], shard[3], shard[0], shard[1]) if mp.transposed
                                  else shard)
             errors += [err] if err else []
@@ -201,7 +237,9 @@ class OverlapMuon(torch.optim.Optimizer):
             unused = [k for k in split if not any(fnmatch.fnmatchcase(m.name, k) for m in self._muon)]
             errors += [f"split patterns {unused} match no Muon param (Muon params: {[m.name for m in self._muon][:8]}"
                        f"{' ...' if len(self._muon) > 8 else ''})"] if unused else []
-        if max_grad_norm is not None and R * T > 1 and any(not isinstance(m.param, DTensor) for m in self._muon):
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if max_grad_norm is not None and (R * T > 1 or multi and expert_ids) and any(
+                not isinstance(m.param, DTensor) for m in self._muon):
             errors.append("max_grad_norm needs DTensor params on a multi-rank domain (a plain shard's norm cannot "
                           "be reduced without knowing which peers hold copies); clip the gradients yourself")
         all_named = dict(model.named_parameters(remove_duplicate=False))
@@ -219,13 +257,22 @@ class OverlapMuon(torch.optim.Optimizer):
         distributed = layouts is not None and dist.get_world_size() > 1
         dom_to = Domain.from_all_layouts(layouts, timeout=timeout) if distributed else Domain.single()
         dom_from = Domain.from_all_layouts(layouts, timeout=timeout, with_ctrl=False) if distributed else Domain.single()
-        ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed else None  # step()'s agreement
         self.domain = dom_to
         """This rank's :class:`~overlap_muon.domain.Domain` (sizes R x T, coordinates g, t)."""
+        self.expert_domain = Domain.single()
+        """This rank's expert domain (``1 x ETP``; ``1 x 1`` without ETP or without expert params)."""
+        experts_on = bool(expert_ids) and elayouts is not None and dist.get_world_size() > 1
+        # step()'s agreement, over every rank of the job
+        ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed or experts_on else None
+        edoms = None
+        if experts_on:
+            self.expert_domain = Domain.from_all_layouts(elayouts, timeout=timeout)
+            edoms = (self.expert_domain, Domain.from_all_layouts(elayouts, timeout=timeout, with_ctrl=False),
+                     domain_gloo_group(elayouts, timeout))
 
         # ---- optimizer plumbing: one Muon group, then the inner AdamW's groups --------------------------------
         self._adamw = torch.optim.AdamW(adamw_groups_, **(adamw_kwargs or {})) if adamw_groups_ else None
-        muon_group = dict(params=[m.param for m in self._muon], algorithm="muon", lr=lr, weight_decay=weight_decay,
+        muon_group = dict(params=list({id(m.param): m.param for m in self._muon}.values()), algorithm="muon", lr=lr, weight_decay=weight_decay,
                           momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients, ns_steps=ns_steps,
                           eps=eps, adjust_lr_fn=adjust_lr_fn)
         groups: list[dict[str, Any]] = [muon_group]
@@ -234,8 +281,8 @@ class OverlapMuon(torch.optim.Optimizer):
             groups.append(grp)
         super().__init__(groups, {k: v for k, v in muon_group.items() if k not in ("params", "algorithm")})
         self._link_adamw()
-        for m in self._muon:  # eager state: identical state_dict keys on every rank (DCP)
-            self.state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
+        for p in muon_group["params"]:  # eager state: identical state_dict keys on every rank (DCP)
+            self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         init_adamw_state(self.param_groups[1:], self.state)
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._model_params = list(model.parameters())
@@ -245,7 +292,13 @@ class OverlapMuon(torch.optim.Optimizer):
         ``skipped_steps``."""
         device = local_tensor(self._muon[0].param).device if self._muon else torch.device("cpu")
         self._pipeline = WavePipeline(self._muon, self.state, dom_to, dom_from, self.config, device, self.stats,
-                                      ctrl, self._testing)
+                                      ctrl, self._testing, expert_doms=edoms)
+        # A grouped expert weight is several Muon matrices: hooks and waits see the param once, under its first
+        # index (``_first``), and stand for all of its matrices (``_siblings``).
+        self._first: dict[int, int] = {}
+        self._siblings: dict[int, list[int]] = defaultdict(list)
+        for m in self._muon:
+            self._siblings[self._first.setdefault(id(m.param), m.index)].append(m.index)
 
         # ---- plan and hooks ----------------------------------------------------------------------------------
         self._costs = [float(sum(ns_flops((len(r), m.ns_shape[1]), ns_steps) for r in m.parts) if m.parts
@@ -319,14 +372,18 @@ class OverlapMuon(torch.optim.Optimizer):
             self._adamw.param_groups = self.param_groups[1:]
 
     def _plan(self, order: list[int]) -> None:
-        n = len(self._muon)
-        slots = self.config.wave_slots or (self.domain.size if self.config.overlap else max(n, 1))
-        if n and self.config.overlap and self.config.wave_slots is None and self.config.wave_plan == "cost":
-            self._waves: list[Wave] = plan_waves_by_cost(order, self._costs, [m.full_shape for m in self._muon],
-                                                         self.domain.size, balance=self.config.balance)
-        else:
-            self._waves = plan_waves(order, self._costs, self.domain.size, wave_slots=slots,
-                                     balance=self.config.balance, taper=self.config.overlap) if n else []
+        cfg = self.config
+
+        def one(sub_order: list[int], members: list[int], d: int) -> list[Wave]:
+            size = (self.expert_domain if d else self.domain).size
+            costs = [self._costs[i] for i in members]
+            if cfg.overlap and cfg.wave_slots is None and cfg.wave_plan == "cost":
+                return plan_waves_by_cost(sub_order, costs, [self._muon[i].full_shape for i in members], size,
+                                          balance=cfg.balance)
+            slots = cfg.wave_slots or (size if cfg.overlap else len(members))
+            return plan_waves(sub_order, costs, size, wave_slots=slots, balance=cfg.balance, taper=cfg.overlap)
+
+        self._waves: list[Wave] = plan_by_domain(order, [m.domain for m in self._muon], one)
         self._wave_of = {i: w.index for w in self._waves for i in w.params}
         self._dispatcher = WaveDispatcher(self._waves, self._launch)
         self._pipeline.reset_plans()
@@ -334,7 +391,7 @@ class OverlapMuon(torch.optim.Optimizer):
     def _register_waits(self, model: nn.Module) -> None:
         """Forward pre-hooks (prepended, before FSDP2's all-gather) waiting for the waves of the params each
         module's forward reads (``hooks.params_read_by_module``)."""
-        index = {id(m.param): m.index for m in self._muon}
+        index = self._first
         self._module_params = params_read_by_module(model, index)
         # Every ancestor of a reading module gets a hook too: any of them may be compiled, and then it is the
         # boundary that waits for its subtree ([Note: forward waits under torch.compile] in hooks/forward_wait.py).
@@ -346,16 +403,17 @@ class OverlapMuon(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------------
     # hooks -> dispatcher -> pipeline; forward waits -> pipeline
     # ------------------------------------------------------------------------------------------------------
-    def _on_ready(self, i: int) -> None:
+    def _on_ready(self, first: int) -> None:
         if self._accumulating:
             return
-        if self._dispatcher.launched > self._wave_of[i]:
-            # A new backward before step(): its gradients supersede the waves already launched.
-            self._pipeline.discard()
-            self._dispatcher.reset()
-        if self._recorder is not None:
-            self._recorder.mark_ready(i)
-        self._dispatcher.mark_ready(i)
+        for i in self._siblings[first]:
+            if self._dispatcher.launched > self._wave_of[i]:
+                # A new backward before step(): its gradients supersede the waves already launched.
+                self._pipeline.discard()
+                self._dispatcher.reset()
+            if self._recorder is not None:
+                self._recorder.mark_ready(i)
+            self._dispatcher.mark_ready(i)
 
     def _on_backward_end(self) -> None:
         if not self._accumulating:
@@ -366,6 +424,10 @@ class OverlapMuon(torch.optim.Optimizer):
 
     def _waves_of(self, indices: Iterable[int]) -> list[int]:
         return sorted({self._wave_of[i] for i in indices})
+
+    def _all_of(self, indices: Iterable[int]) -> set[int]:
+        """Every Muon index of the params behind ``indices`` (a grouped expert weight's first index stands for all)."""
+        return {j for i in indices for j in self._siblings.get(i, (i,))}
 
     def _wait_module(self, module: nn.Module) -> None:
         """Forward pre-hook body: wait for the waves of ``module``'s params, and of the modules FSDP2 will
@@ -385,6 +447,7 @@ class OverlapMuon(torch.optim.Optimizer):
         if boundary:
             indices |= self._subtree.get(id(module)) or {m.index for m in self._muon
                                                          if any(m.param is p for p in module.parameters())}
+        indices = self._all_of(indices)
         if not self._coverage_decided:
             self._covered |= indices
         self._pipeline.wait(self._waves_of(indices), streams=fsdp_param_streams(module))
@@ -501,14 +564,14 @@ class OverlapMuon(torch.optim.Optimizer):
         """Wait until the committed updates of ``params`` have landed, for readers outside a module's forward
         (EMA, logging, evaluation on the side). CPU: the host waits; CUDA: the current stream waits.
         Non-Muon params are ignored (AdamW updates in ``step()`` itself)."""
-        index = {id(m.param): m.index for m in self._muon}
-        self._pipeline.wait(self._waves_of(index[id(p)] for p in params if id(p) in index))
+        index = self._first
+        self._pipeline.wait(self._waves_of(self._all_of(index[id(p)] for p in params if id(p) in index)))
 
     def register_wait(self, module: nn.Module, params: Iterable[Tensor]) -> None:
         """Make ``module``'s forward wait for ``params``' updates (a precise wait point for weights read outside
         the forward of the module that owns them, e.g. a fused QKV built in the parent's forward)."""
-        index = {id(m.param): m.index for m in self._muon}
-        mine = {index[id(p)] for p in params if id(p) in index}
+        index = self._first
+        mine = self._all_of(index[id(p)] for p in params if id(p) in index)
         self._module_params[module] = self._module_params.get(module, set()) | mine
         self._covered |= mine
         self._handles += register_forward_waits([module], weak_callback(self._wait_module), self._on_traced_cb)
@@ -601,7 +664,7 @@ class OverlapMuon(torch.optim.Optimizer):
             self._tracker = None
         on_ready = weak_callback(self._on_ready)
         state, hook = ddp_readiness_hook(lambda idx: [on_ready(i) for i in idx],
-                                         {id(m.param): m.index for m in self._muon},
+                                         dict(self._first),
                                          process_group=ddp_model.process_group)
         ddp_model.register_comm_hook(state, hook)
 

@@ -178,6 +178,10 @@ class WavePipeline:
         stats: the optimizer's counters (``ns_matrices``, ``ns_calls``, ``waves_launched``, ``reruns``).
         ctrl_group: a gloo group over every rank of the job for ``commit``'s agreement (``None``: one process).
         testing: the private :class:`TestingSeam`.
+        expert_doms: ``(dom_to, dom_from, ctrl_group)`` of this rank's expert domain, the routes of the waves with
+            ``wave.domain == 1`` ([Note: two domains] in ``domain.py``); ``ctrl_group`` is a gloo group over that
+            domain for ``commit``'s agreement on expert gradients. ``None``: expert matrices (if any) are this
+            rank's own, NS'd where they live.
     """
 
     def __init__(
@@ -191,10 +195,14 @@ class WavePipeline:
         stats: dict[str, int],
         ctrl_group: dist.ProcessGroup | None,
         testing: TestingSeam,
+        expert_doms: tuple[Domain, Domain, dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.muon = list(muon)
         self.state = state
         self.dom_to, self.dom_from = dom_to, dom_from
+        single = Domain.single()
+        self._doms = [(dom_to, dom_from), expert_doms[:2] if expert_doms else (single, single)]
+        self._expert_ctrl = expert_doms[2] if expert_doms else None
         self.config = config
         self.stats = stats
         self.ctrl_group = ctrl_group
@@ -227,7 +235,7 @@ class WavePipeline:
         self.testing.record("launch", wave.index)
         if self.testing.on_state is not None:
             self.testing.on_state(st)
-        check = self.config.check_grad_presence and self.dom_to.ctrl_group is not None
+        check = self.config.check_grad_presence and self._doms[wave.domain][0].ctrl_group is not None
         if not items and not check:
             st.empty = True
         else:
@@ -247,7 +255,7 @@ class WavePipeline:
         return st
 
     def _to_home_task(self, st: WaveState, check: bool) -> None:
-        k, dom = st.wave.index, self.dom_to
+        k, dom = st.wave.index, self._doms[st.wave.domain][0]
         if check:
             self._exchange(st, "a2a_to_home", dom, lambda: self._agree_on_gradients(st))
         if not st.items:
@@ -256,8 +264,8 @@ class WavePipeline:
         mps = [self.muon[i] for i in st.items]
         h = st.hyper
         with prof_range(wave_range_name(k, "pack"), nvtx=self.config.nvtx):
-            bufs = [local_tensor(self.state[m.param]["momentum_buffer"]) for m in mps]
-            grads = [local_tensor(g) for g in st.grads]
+            bufs = [m.local(self.state[m.param]["momentum_buffer"]) for m in mps]
+            grads = [m.local(g) for m, g in zip(mps, st.grads)]
             # The new momentum lives only as long as the NS input needs it; the apply recomputes it in place
             # (the same op on the same values: bitwise the same), so a speculative wave holds no momentum copy.
             st.packed = [ns_input(g, momentum_update(b, g, h.momentum), h.momentum, h.nesterov)
@@ -316,7 +324,7 @@ class WavePipeline:
         outs, rep_outs = st.outs[:len(st.mine)], st.outs[len(st.mine):]  # see _to_home_task's order
         packed = [st.packed[j] for j in ex]
         pds, shapes = [mps[j].partition_dim for j in ex], [mps[j].full_shape for j in ex]
-        dom = self.dom_from
+        dom = self._doms[st.wave.domain][1]
         updates: list[Tensor] = []
         with prof_range(wave_range_name(st.wave.index, "a2a_from_home"), nvtx=self.config.nvtx):
             if not ex:
@@ -343,9 +351,9 @@ class WavePipeline:
             with prof_range(wave_range_name(st.wave.index, "apply"), nvtx=self.config.nvtx):
                 for j, i in enumerate(st.items):
                     m = self.muon[i]
-                    buf = local_tensor(self.state[m.param]["momentum_buffer"])
-                    momentum_update_(buf, local_tensor(st.grads[j]), st.hyper.momentum)
-                    p, u = local_tensor(m.param), st.updates[j]
+                    buf = m.local(self.state[m.param]["momentum_buffer"])
+                    momentum_update_(buf, m.local(st.grads[j]), st.hyper.momentum)
+                    p, u = m.local(m.param), st.updates[j]
                     if m.transposed:  # apply to the (out, in) matrix torch's nn.Linear reference updates
                         p, u = p.T, u.T
                     for a, b, shape, region in m.runs:  # one run unless the matrix is split (overlap_muon.split)
@@ -384,7 +392,7 @@ class WavePipeline:
         Raises:
             ValueError: some params have a gradient on some ranks of the domain and not on others.
         """
-        dom, params = self.dom_to, st.wave.params
+        dom, params = self._doms[st.wave.domain][0], st.wave.params
         have = torch.tensor([1 if i in st.items else 0 for i in params], dtype=torch.uint8)
         everyone = torch.empty(dom.size * have.numel(), dtype=torch.uint8)
         dist.all_to_all_single(everyone, have.repeat(dom.size), group=dom.ctrl_group)
@@ -460,19 +468,24 @@ class WavePipeline:
         if self.ctrl_group is not None and pending:
             # One host-side all-reduce (gloo, no device tensor): which waves any rank finds stale, and whether the
             # ranks agree on which params have a gradient: a mismatch is a ValueError on every rank here, before
-            # anything is applied (the per-wave check on the lane only keeps the exchanges from hanging).
-            have = [1 if m.param.grad is not None else 0 for m in self.muon]
-            flags = torch.tensor(stale + have + [1 - h for h in have], dtype=torch.uint8)
-            self._agree(flags, pending)
+            # anything is applied (the per-wave check on the lane only keeps the exchanges from hanging). Expert
+            # matrices differ between EP ranks: their presence is agreed within the expert domain first (every
+            # rank, in that order), and a mismatch there travels in the job-wide flags as one more flag.
+            dense = [m for m in self.muon if m.domain == 0]
+            experts = [m for m in self.muon if m.domain == 1]
+            split = self._split_presence(experts, self._expert_ctrl, pending) if self._expert_ctrl else []
+            have = [1 if m.param.grad is not None else 0 for m in dense]
+            flags = torch.tensor(stale + have + [1 - h for h in have] + [1 if split else 0], dtype=torch.uint8)
+            self._agree(flags, self.ctrl_group, pending)
             n, k = len(stale), len(have)
             stale = flags[:n].tolist()
-            split = [m.name for m, a, b in zip(self.muon, flags[n:n + k].tolist(), flags[n + k:].tolist()) if a and b]
-            if split:
+            split += [m.name for m, a, b in zip(dense, flags[n:n + k].tolist(), flags[n + k:-1].tolist()) if a and b]
+            if split or flags[-1]:
                 self.discard()
                 raise ValueError(
-                    f"OverlapMuon step(): Muon params {split[:8]}{' ...' if len(split) > 8 else ''} have a gradient "
-                    "on some ranks and not on others; every rank must compute the same params' gradients. Nothing "
-                    "was applied."
+                    f"OverlapMuon step(): Muon params {split[:8] or '(on another rank)'}{' ...' if len(split) > 8 else ''} "
+                    "have a gradient on some ranks and not on others; every rank of a domain must compute the "
+                    "same params' gradients. Nothing was applied."
                 )
         for w, f in zip(waves, stale):
             if f:
@@ -496,7 +509,16 @@ class WavePipeline:
                 self._applied[k] = st
         return reruns
 
-    def _agree(self, flags: Tensor, pending: dict[int, WaveState]) -> None:
+    def _split_presence(self, mps: list[MuonParam], group: dist.ProcessGroup, pending: dict[int, WaveState]
+                        ) -> list[str]:
+        """Names of the params of ``mps`` that have a gradient on some ranks of ``group`` and not on others."""
+        have = [1 if m.param.grad is not None else 0 for m in mps]
+        flags = torch.tensor(have + [1 - h for h in have], dtype=torch.uint8)
+        self._agree(flags, group, pending)
+        k = len(have)
+        return [m.name for m, a, b in zip(mps, flags[:k].tolist(), flags[k:].tolist()) if a and b]
+
+    def _agree(self, flags: Tensor, group: dist.ProcessGroup, pending: dict[int, WaveState]) -> None:
         """The element-wise MAX of ``flags`` over every rank, in place (host tensors, gloo). A failure here (a dead or stalled
         peer) usually fails the pending waves' exchanges too: report the first of those, which names the wave and
         the exchange, else this one.
@@ -505,14 +527,14 @@ class WavePipeline:
             RuntimeError: the agreement or a pending wave's exchange failed.
         """
         try:
-            _max_everywhere(flags, self.ctrl_group)
+            _max_everywhere(flags, group)
         except Exception as e:
             with self._lock:
                 states = list(self._applied.values()) + sorted(pending.values(), key=lambda st: st.wave.index)
             for st in states:
                 for h in st.handles():
                     _wait(h, ())  # raises the wave's own error, chained
-            ranks = dist.get_process_group_ranks(self.ctrl_group)
+            ranks = dist.get_process_group_ranks(group)
             raise RuntimeError(
                 f"OverlapMuon step(): agreeing on which waves to re-run failed on rank {dist.get_rank()} (all_reduce "
                 f"over the runtime's gloo control group, global ranks {ranks}): {e}"
@@ -603,7 +625,7 @@ class WavePipeline:
         """True when every Muon gradient on every rank is finite (``skip_nonfinite``): device flags, one all-reduce
         of their max on the gloo control group. Reads one flag on the host: on CUDA a sync, once per step; the
         option is off by default."""
-        grads = [local_tensor(m.param.grad) for m in self.muon if m.param.grad is not None]
+        grads = [m.local(m.param.grad) for m in self.muon if m.param.grad is not None]
         bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any() if grads else torch.tensor(False)
         flag = bad.to("cpu", torch.uint8).reshape(1)
         if self.ctrl_group is not None:

@@ -20,13 +20,14 @@ the ``nf`` attribute (its output width) of HF's ``transformers.pytorch_utils.Con
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["HEAD_NAMES", "conv1d_weights", "default_muon_ids", "adamw_param_groups", "split_table"]
+__all__ = ["HEAD_NAMES", "conv1d_weights", "default_muon_ids", "expert_selector", "adamw_param_groups", "split_table"]
 
 HEAD_NAMES = ("lm_head", "output", "output_layer", "head")
 """Names of a root's ``nn.Linear`` child taken as the output head (HF/nanoGPT, torchtitan, Megatron-Core, timm)."""
@@ -65,6 +66,24 @@ def default_muon_ids(model: nn.Module) -> set[int]:
         if name in HEAD_NAMES and isinstance(child, nn.Linear):
             excluded.add(id(child.weight))
     return mats - excluded
+
+
+def expert_selector(experts: Any) -> Callable[[str, Tensor], bool]:
+    """``experts=`` as a ``(name, param) -> bool``: a callable as is, an ``fnmatch`` pattern or an iterable of
+    them (matched against ``named_parameters()`` names), ``None`` selecting nothing.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if experts is None:
+        return lambda n, p: False
+    if callable(experts):
+        return experts
+    pats = [experts] if isinstance(experts, str) else list(experts) if isinstance(experts, Iterable) else None
+    if pats is None or not all(isinstance(x, str) for x in pats):
+        raise TypeError(f"experts must be a (name, param) -> bool callable, an fnmatch pattern or a list of them, "
+                        f"got {experts!r}")
+    return lambda n, p: any(fnmatch.fnmatchcase(n, x) for x in pats)
 
 
 def adamw_param_groups(

@@ -8,7 +8,7 @@ from .cost import ns_bytes, ns_flops
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
 from .plan_hash import PlanDifference, first_plan_difference, param_fingerprints, plan_hash
 from .surplus import SurplusCostModel, SurplusPlan, plan_surplus
-from .waves import ReadinessRecorder, Wave, WaveCostModel, WaveDispatcher, plan_waves, plan_waves_by_cost
+from .waves import ReadinessRecorder, Wave, WaveCostModel, WaveDispatcher, plan_by_domain, plan_waves, plan_waves_by_cost
 
 __all__ = [
     "ns_flops",
@@ -19,6 +19,7 @@ __all__ = [
     "load_report",
     "Wave",
     "plan_waves",
+    "plan_by_domain",
     "WaveCostModel",
     "plan_waves_by_cost",
     "WaveDispatcher",

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from .homes import _check_costs, _check_num_ranks, lpt_homes
 
-__all__ = ["Wave", "plan_waves", "WaveCostModel", "plan_waves_by_cost", "WaveDispatcher", "ReadinessRecorder"]
+__all__ = ["Wave", "plan_waves", "plan_by_domain", "WaveCostModel", "plan_waves_by_cost", "WaveDispatcher", "ReadinessRecorder"]
 
 _BALANCES = ("lpt", "round_robin")
 
@@ -30,6 +30,8 @@ class Wave:
     """Param indices in gradient-readiness order."""
     homes: dict[int, int]
     """Param index -> NS home rank in ``[0, num_ranks)``; keys are exactly ``params``."""
+    domain: int = 0
+    """Which domain's ranks the homes index: 0 the dense domain, 1 the expert domain (one wave, one domain)."""
 
     def __post_init__(self) -> None:
         if set(self.homes) != set(self.params) or len(set(self.params)) != len(self.params):
@@ -132,6 +134,37 @@ def _assign_homes(order: list[int], sizes: Sequence[int], costs: Sequence[float]
         waves.append(Wave(index=k, params=params, homes=dict(zip(params, local))))
         pos += size
     return waves
+
+
+def plan_by_domain(
+    order: Sequence[int],
+    domain_of: Sequence[int],
+    plan_one: Callable[[list[int], list[int], int], list[Wave]],
+) -> list[Wave]:
+    """One launch order for params routed on several domains (dense and expert: [Note: two domains] in
+    ``overlap_muon/domain.py``).
+
+    Each domain's params are planned on their own by ``plan_one(sub_order, members, domain)``, where ``members``
+    lists the domain's param indices (ascending) and ``sub_order`` is their readiness order as positions in
+    ``members``; it returns waves over those positions (homes in that domain's ranks). The waves are mapped back to
+    param indices, tagged with their domain and merged by readiness: a wave goes where its last param becomes
+    ready in ``order`` (ties: lower domain first), which keeps each domain's own order. Deterministic, so every
+    rank merges the same way.
+
+    Returns:
+        The merged waves, re-indexed ``0 .. n-1`` in launch order.
+    """
+    pos = {i: k for k, i in enumerate(order)}
+    merged: list[tuple[tuple[int, int, int], Wave]] = []
+    for d in sorted(set(domain_of)):
+        members = [i for i in range(len(domain_of)) if domain_of[i] == d]
+        local = {i: k for k, i in enumerate(members)}
+        for k, w in enumerate(plan_one([local[i] for i in order if domain_of[i] == d], members, d)):
+            params = tuple(members[j] for j in w.params)
+            wave = Wave(index=0, params=params, homes={members[j]: h for j, h in w.homes.items()}, domain=d)
+            merged.append(((max(pos[i] for i in params), d, k), wave))
+    merged.sort(key=lambda kw: kw[0])
+    return [Wave(index=k, params=w.params, homes=w.homes, domain=w.domain) for k, (_, w) in enumerate(merged)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,0 +1,281 @@
+"""MoE experts on their own domain: grouped 3-D ``(E, P, Q)`` weights and per-expert linears, sharded over
+EP x ETP beside a dense remat x TP domain, bitwise equal to ``torch.optim.Muon`` on every expert matrix as its own
+param ([Note: two domains] in ``overlap_muon/domain.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from overlap_muon import OverlapMuon
+from tests.dist_utils import run_ranks
+from tests.models import HP, PARTITION, TinyNet, block, build_dtensor_model, build_plain_model, explicit_groups, local, set_grad
+
+E, H, D = 4, 9, 6  # 4 experts; (H, D) = (9, 6) splits unevenly (5/4) over ETP 2
+STEPS = 3
+
+
+def _full_experts(seed: int = 1) -> dict[str, torch.Tensor]:
+    """The global expert weights: two grouped (E, P, Q) weights and E per-expert linears."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {"moe.w_in": torch.randn(E, H, D, generator=gen), "moe.w_out": torch.randn(E, D, H, generator=gen)}
+    for e in range(E):
+        out[f"moe.lin{e}"] = torch.randn(H, D, generator=gen)
+    return out
+
+
+def _expert_grads(step: int) -> dict[str, torch.Tensor]:
+    return {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(1000 + 17 * step + i))
+            for i, (k, v) in enumerate(_full_experts().items())}
+
+
+def _dense_grads(full: TinyNet, step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + step)
+    return {n: torch.randn(p.shape, generator=gen) for n, p in full.named_parameters()}
+
+
+def _missing(step: int, ep: int) -> bool:
+    """Step 1: the experts of EP index 0 get no tokens (no gradient); EP index 1's do."""
+    return step == 1 and ep == 0
+
+
+def _reference(full: TinyNet, ep_size: int, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """torch.optim.Muon on the dense Muon matrices and on every expert matrix as its own param."""
+    params = {n: nn.Parameter(p.detach().clone()) for n, p in full.named_parameters() if n in PARTITION}
+    experts = _full_experts()
+    for name in ("moe.w_in", "moe.w_out"):
+        for e in range(E):
+            params[f"{name}[{e}]"] = nn.Parameter(experts[name][e].clone())
+    for e in range(E):
+        params[f"moe.lin{e}"] = nn.Parameter(experts[f"moe.lin{e}"].clone())
+    mu = torch.optim.Muon(list(params.values()), **HP)
+    per_ep = E // ep_size
+    for s in range(steps):
+        dg, eg = _dense_grads(full, s), _expert_grads(s)
+        for n, p in params.items():
+            base, _, idx = n.partition("[")
+            e = int(idx[:-1]) if idx else int(n[len("moe.lin"):]) if n.startswith("moe.lin") else None
+            if e is not None and _missing(s, e // per_ep):
+                p.grad = None
+            elif e is None:
+                p.grad = dg[n].clone()
+            else:
+                p.grad = (eg[base][e] if idx else eg[n]).clone()
+        mu.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+class Experts(nn.Module):
+    """This rank's experts: grouped ``w_in`` (rows split by ETP) and ``w_out`` (columns split), and per-expert
+    linears ``lin{k}`` (k local), as DTensors on the expert mesh or as plain blocks."""
+
+    def __init__(self, ep: int, et: int, ep_size: int, etp: int, mesh=None) -> None:
+        super().__init__()
+        full, per = _full_experts(), E // ep_size
+        mine = range(ep * per, (ep + 1) * per)
+        if mesh is not None:
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            self.w_in = nn.Parameter(distribute_tensor(full["moe.w_in"], mesh, [Shard(0), Shard(1)]))
+            self.w_out = nn.Parameter(distribute_tensor(full["moe.w_out"], mesh, [Shard(0), Shard(2)]))
+            for k, e in enumerate(mine):
+                self.register_parameter(f"lin{k}", nn.Parameter(distribute_tensor(full[f"moe.lin{e}"], mesh["etp"],
+                                                                                   [Shard(0)])))
+            return
+        self.w_in = nn.Parameter(torch.stack([block(full["moe.w_in"][e], 0, 1, etp, 0, et) for e in mine]))
+        self.w_out = nn.Parameter(torch.stack([block(full["moe.w_out"][e], 1, 1, etp, 0, et) for e in mine]))
+        self.w_in.partition_dim, self.w_out.partition_dim = 0, 1
+        self.w_in.full_shape, self.w_out.full_shape = (H, D), (D, H)
+        for k, e in enumerate(mine):
+            w = nn.Parameter(block(full[f"moe.lin{e}"], 0, 1, etp, 0, et).clone())
+            w.partition_dim, w.full_shape = 0, (H, D)
+            self.register_parameter(f"lin{k}", w)
+
+
+def _synthetic_backward(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """Backward of ``sum((local(p) * grads[n]).sum())``: every listed param's gradient is exactly ``grads[n]``, and
+    the grad-ready hooks fire as in a real backward (so overlap mode launches its waves from them)."""
+    terms = [(local_param(p) * grads[n]).sum() for n, p in model.named_parameters() if n in grads]
+    if terms:
+        sum(terms).backward()
+
+
+def local_param(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _expert_block(name: str, e_local: int, ep: int, et: int, ep_size: int, etp: int, grads) -> torch.Tensor:
+    """This rank's block of a global expert tensor of ``grads`` (a dict of full tensors)."""
+    e = ep * (E // ep_size) + e_local
+    if name in ("w_in", "w_out"):
+        return block(grads[f"moe.{name}"][e], 0 if name == "w_in" else 1, 1, etp, 0, et)
+    return block(grads[f"moe.lin{e}"], 0, 1, etp, 0, et)
+
+
+def _body(rank, world, R, T, ep_size, etp, form, crossed, overlap, fused, mode):
+    """One grid point on ``world`` ranks: dense R x T (g, t) = divmod(rank, T); experts EP x ETP with
+    (ep, et) = divmod(rank, etp), or (crossed) et = rank // ep_size, ep = rank % ep_size."""
+    torch.manual_seed(0)
+    g, t = divmod(rank, T)
+    if crossed:
+        et, ep = divmod(rank, ep_size)
+    else:
+        ep, et = divmod(rank, etp)
+    full = TinyNet()
+    ref = _reference(full, ep_size)
+    kw: dict = dict(experts="moe.*", overlap=overlap, fused_a2a=fused, mode=mode, **HP)
+    if form == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dense, mesh = build_dtensor_model(full, R, T)
+        dims, shape = (("etp", "ep"), (etp, ep_size)) if crossed else (("ep", "etp"), (ep_size, etp))
+        emesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        kw |= dict(device_mesh=mesh, expert_mesh=emesh)
+        experts = Experts(ep, et, ep_size, etp, mesh=emesh)
+    else:
+        dense = build_plain_model(full, R, T, g, t)
+        kw["tp_group"], kw["remat_group"] = explicit_groups(R, T, g, t)
+        groups = [dist.new_group([j * ep_size + i if crossed else i * etp + j for j in range(etp)])
+                  for i in range(ep_size)] if etp > 1 else None
+        kw["etp_group"] = groups[ep] if groups else None
+        experts = Experts(ep, et, ep_size, etp)
+    model = nn.Module()
+    model.dense, model.moe = dense, experts
+    opt = OverlapMuon(model, **kw)
+    for s in range(STEPS):
+        dg, eg = _dense_grads(full, s), _expert_grads(s)
+        egrads = {}
+        if not _missing(s, ep):
+            for n, p in experts.named_parameters():
+                if n in ("w_in", "w_out"):
+                    egrads[n] = torch.stack([_expert_block(n, k, ep, et, ep_size, etp, eg) for k in range(E // ep_size)])
+                else:
+                    egrads[n] = _expert_block(n, int(n[3:]), ep, et, ep_size, etp, eg)
+        if form == "dtensor":  # FSDP2 + TP dense grads are set, expert grads come from a backward
+            for n, p in dense.named_parameters():
+                set_grad(p, dg[n], PARTITION.get(n), R, T, g, t)
+            _synthetic_backward(experts, {n: v.contiguous() for n, v in egrads.items()})
+        else:  # every Muon gradient from one backward: the hooks launch dense and expert waves interleaved
+            dgl = {f"dense.{n}": (block(dg[n], PARTITION[n], R, T, g, t) if n in PARTITION else dg[n]).contiguous()
+                   for n, _ in dense.named_parameters()}
+            _synthetic_backward(model, dgl | {f"moe.{n}": v.contiguous() for n, v in egrads.items()})
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    bad = []
+    for n in PARTITION:
+        got = local(dict(dense.named_parameters())[n]).detach()
+        if not torch.equal(got, block(ref[n], PARTITION[n], R, T, g, t)):
+            bad.append(f"dense {n}")
+    for n, p in experts.named_parameters():
+        loc = local(p).detach()
+        for k in range(E // ep_size) if n in ("w_in", "w_out") else [None]:
+            e = ep * (E // ep_size) + (k if k is not None else int(n[3:]))
+            exp = block(ref[f"moe.{n}[{e}]" if k is not None else f"moe.lin{e}"], 1 if n == "w_out" else 0, 1, etp, 0, et)
+            if not torch.equal(loc[k] if k is not None else loc, exp):
+                bad.append(f"expert {n} (global expert {e})")
+    stats = dict(opt.stats)
+    opt.close()
+    return bad, stats
+
+
+def _check(results):
+    for r, (bad, _) in enumerate(results):
+        assert not bad, f"rank {r}: {bad}"
+
+
+def test_world1_grouped_and_linear_experts_bitwise():
+    for overlap in (False, True):
+        _check([_body(0, 1, 1, 1, 1, 1, "plain", False, overlap, True, "layer_sharded")])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("form", ["dtensor", "plain"])
+def test_ep2_etp2_beside_remat2_tp2(form):
+    """4 ranks: dense remat 2 x TP 2, experts EP 2 x ETP 2 (grouped 3-D weights split by rows and by columns,
+    per-expert linears), sync and overlap, fused and two-stage, layer-sharded and duplicated; EP index 0's experts
+    have no gradient at step 1 (their ranks' expert waves are empty, the dense ones are not): no hang, and the
+    result equals torch.optim.Muon, which skips them that step."""
+    configs = [(False, True, "layer_sharded"), (True, True, "layer_sharded"), (True, False, "layer_sharded"),
+               (False, True, "duplicated")]
+
+    def run(crossed):
+        for overlap, fused, mode in configs:
+            _check(run_ranks(_body, 4, 2, 2, 2, 2, form, crossed, overlap, fused, mode, timeout=150))
+
+    run(False)
+    if form == "plain":
+        run(True)  # ETP groups {0, 2}, {1, 3} cross the TP groups {0, 1}, {2, 3}
+
+
+@pytest.mark.timeout(180)
+def test_experts_without_etp_are_local():
+    """EP 2, ETP 1 (the training job's layout): each rank's experts are its own, NS'd where they live."""
+    res = run_ranks(_body, 2, 1, 2, 2, 1, "plain", False, True, True, "layer_sharded", timeout=120)
+    _check(res)
+
+
+def _uneven_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    emesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    model = nn.Module()
+    model.w = nn.Parameter(distribute_tensor(torch.randn(3, 4, 4), emesh, [Shard(0)]))  # 2 experts here, 1 there
+    try:
+        OverlapMuon(model, experts="w", expert_mesh=emesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_uneven_experts_per_rank_is_an_error_everywhere():
+    for msg in run_ranks(_uneven_body, 2, timeout=90):
+        assert "w[1]" in msg or "differ" in msg, msg
+
+
+def test_expert_param_errors_name_the_param():
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(2, 3, 4, 5))
+    with pytest.raises(ValueError, match=r"'w'.*\(2, 3, 4, 5\)"):
+        OverlapMuon(model, experts="w")
+    with pytest.raises(TypeError, match="experts must be"):
+        OverlapMuon(nn.Linear(2, 2), experts=3)
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="selected by experts= but not by muon_filter"):
+        OverlapMuon(model, experts="w", muon_filter=lambda n, p: False)
+
+
+def _mismatch_body(rank, world, overlap):
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = nn.Module()
+    model.dense = nn.Linear(4, 4, bias=False)  # replicated dense matrix, every rank has its gradient
+    model.w = nn.Parameter(torch.randn(2, 6, 4))
+    model.w.partition_dim, model.w.full_shape = 0, (12, 4)
+    opt = OverlapMuon(model, experts="w", etp_group=groups[rank // 2], overlap=overlap, tp_group=None)
+    model.dense.weight.grad = torch.ones(4, 4)
+    if rank != 1:  # rank 1 lacks the expert gradient its ETP peer (rank 0) has
+        model.w.grad = torch.ones(2, 6, 4)
+    before = model.w.detach().clone(), model.dense.weight.detach().clone()
+    try:
+        opt.step()
+    except ValueError as e:
+        unchanged = torch.equal(before[0], model.w.detach()) and torch.equal(before[1], model.dense.weight.detach())
+        return str(e), unchanged
+    return "no error", None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_expert_gradient_mismatch_is_an_error_everywhere(overlap):
+    """Rank 1 lacks an expert gradient that its ETP peer has: a ValueError on all 4 ranks (the other EP index
+    included), nothing applied, no hang."""
+    for rank, (msg, unchanged) in enumerate(run_ranks(_mismatch_body, 4, overlap, timeout=90)):
+        assert "gradient on some ranks" in msg, (rank, msg)
+        assert unchanged, rank

@@ -85,7 +85,9 @@ where it could not be measured, e.g. ``--no-baseline``):
     (``--quick``: 512x2048) at world 2 (gloo, 1 thread per rank), each rank holding its row block, against
     ``zeropower`` of the whole matrix on rank 0 while rank 1 waits, interleaved, each timed between barriers.
     ``single_over_team_world2``: single-rank latency over team latency (> 1: the team is faster; the issue's goal
-    is 1.6). The details also time the team's matmuls alone on both ranks at once (no gathers): the compute part,
+    is 1.6). ``idle_over_duplicate_last_wave_world2``: the optimizer itself, one such matrix row-sharded over TP 2
+    (one wave, one surplus home), ``step()`` to its last apply with ``surplus="idle"`` over ``"duplicate"``
+    (> 1: duplicating is faster; the details say whether both gave the same params). The details also time the team's matmuls alone on both ranks at once (no gathers): the compute part,
     which on a shared 2-core machine shows how much the two ranks slow each other. The details give the exactness of the team result against ``zeropower`` (bitwise or not, max abs and
     relative Frobenius difference). ``sim_70b_{idle,best}_exposed_fraction``: :mod:`scheduler.simulate` on the
     70B preset (TP 8, remat 8, DP 16), exposed optimizer fraction with idle surplus and with the best of
@@ -210,7 +212,8 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
     if case == "balance":
         return tuple(f"{f.name}_S{s}_{b}_max_over_mean" for f in _FAMILIES for s in _DOMAINS for b in ("lpt", "rr"))
     if case == "surplus":
-        return ("single_over_team_world2", "sim_70b_idle_exposed_fraction", "sim_70b_best_exposed_fraction")
+        return ("single_over_team_world2", "idle_over_duplicate_last_wave_world2", "sim_70b_idle_exposed_fraction",
+                "sim_70b_best_exposed_fraction")
     if case == "memory":
         return tuple(f"{v}_peak_over_min_world{w}" for w in (1, 2) for v in ("overlap", "sync", "duplicated")) + (
             "overlap_peak_over_torch_muon_world1",)
@@ -1333,12 +1336,49 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
             t_team.append(t2 - t1)
             t_local.append(t3 - t2)
     out: dict[str, Any] = {"single_s": t_single, "team_s": t_team, "team_compute_s": t_local}
+    out.update(_last_wave_latency(rank, world, X, warmup, repeats))
     if rank == 0:
         team_full = team.mT if shape[0] > shape[1] else team
         diff = (team_full.float() - single.float()).abs()
         out.update(bitwise=bool(torch.equal(team_full, single)), max_abs_diff=float(diff.max()),
                    rel_fro_diff=float(diff.norm() / single.float().norm()))
     return out
+
+
+def _last_wave_latency(rank: int, world: int, X: Tensor, warmup: int, repeats: int) -> dict[str, Any]:
+    """OverlapMuon on one matrix ``X`` row-sharded over a TP group of all ranks, ``overlap=False`` (one wave of one
+    matrix: ``world - 1`` surplus homes), ``surplus="idle"`` vs ``"duplicate"``, interleaved: seconds from
+    ``step()`` to its last apply, per repeat; and whether both give the same params (``torch.equal``)."""
+    from . import OverlapMuon
+
+    group = dist.new_group(list(range(world)))
+    nets, opts = {}, {}
+    for policy in ("idle", "duplicate"):
+        net = torch.nn.Module()
+        net.w = torch.nn.Parameter(block_of(X, rank, world).clone())
+        net.w.partition_dim, net.w.full_shape = 0, tuple(X.shape)
+        nets[policy] = net
+        opts[policy] = OverlapMuon(net, muon_filter=lambda n, p: True, tp_group=group, overlap=False, surplus=policy)
+    times: dict[str, list[float]] = {"idle": [], "duplicate": []}
+    for r in range(warmup + repeats):
+        grad = block_of(torch.randn(X.shape, generator=torch.Generator().manual_seed(100 + r)), rank, world)
+        for policy in ("idle", "duplicate"):
+            nets[policy].w.grad = grad.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            opts[policy].step()  # overlap=False: returns once applied
+            dist.barrier()
+            if r >= warmup:
+                times[policy].append(time.perf_counter() - t0)
+    same = torch.equal(nets["idle"].w.detach(), nets["duplicate"].w.detach())
+    for o in opts.values():
+        o.close()
+    return {"last_wave_idle_s": times["idle"], "last_wave_duplicate_s": times["duplicate"], "duplicate_equal": same}
+
+
+def block_of(x: Tensor, rank: int, world: int) -> Tensor:
+    """Rank ``rank``'s row block of ``x`` over ``world`` ranks (``torch.chunk``)."""
+    return torch.chunk(x, world, dim=0)[rank].contiguous()
 
 
 def _case_surplus(o: _Options) -> _CaseResult:
@@ -1355,6 +1395,10 @@ def _case_surplus(o: _Options) -> _CaseResult:
     compute = _median(_max_over_ranks([r["team_compute_s"] for r in res]))
     ratio = _ratio(single, team)
     ex = res[0]
+    lw_idle = _median(_max_over_ranks([r["last_wave_idle_s"] for r in res]))
+    lw_dup = _median(_max_over_ranks([r["last_wave_duplicate_s"] for r in res]))
+    lw_ratio = _ratio(lw_idle, lw_dup)
+    dup_equal = all(r["duplicate_equal"] for r in res)
     base = SimConfig.for_model("llama3-70b", tp_size=8, remat_size=8, dp_size=16)
     sims = {(p, d): simulate(_dc.replace(base, surplus=p, dp_slots=d))
             for p in ("idle", "duplicate", "team", "auto") for d in (1, 4)}
@@ -1368,6 +1412,9 @@ def _case_surplus(o: _Options) -> _CaseResult:
         f"{_ms(max(0.0, team - compute)).strip()}, is its {2 * steps + 1} all-gathers and copies",
         f"team vs zeropower: bitwise {ex['bitwise']}, max abs {ex['max_abs_diff']:.3g}, "
         f"relative Frobenius {ex['rel_fro_diff']:.3g}",
+        f"OverlapMuon, one {shape[0]}x{shape[1]} matrix over TP {world}, step() to last apply: surplus idle "
+        f"{_ms(lw_idle).strip()}, duplicate {_ms(lw_dup).strip()}, idle / duplicate = "
+        + (f"{lw_ratio:.3f}" if lw_ratio else "n/a") + f"; params equal: {dup_equal}",
         "simulator, llama3-70b TP 8 x remat 8 x DP 16: exposed optimizer time per surplus policy",
     ]
     for (p, d), r in sims.items():
@@ -1375,11 +1422,13 @@ def _case_surplus(o: _Options) -> _CaseResult:
                      f"{_ms(r.exposed_overlap_s).strip():>10} = {100 * r.exposed_fraction_overlap:.2f}% of the step")
     return _CaseResult(
         "surplus slots: team NS latency vs one rank (the kernel), and the simulator's policies at 70B",
-        {"single_over_team_world2": ratio, "sim_70b_idle_exposed_fraction": idle.exposed_fraction_overlap,
+        {"single_over_team_world2": ratio, "idle_over_duplicate_last_wave_world2": lw_ratio,
+         "sim_70b_idle_exposed_fraction": idle.exposed_fraction_overlap,
          "sim_70b_best_exposed_fraction": best.exposed_fraction_overlap},
         lines,
         {"shape": list(shape), "world": world, "ns_steps": steps, "repeats": repeats, "single_s": single,
-         "team_s": team, "team_compute_s": compute, "bitwise": ex["bitwise"], "max_abs_diff": ex["max_abs_diff"],
+         "team_s": team, "team_compute_s": compute, "last_wave_idle_s": lw_idle, "last_wave_duplicate_s": lw_dup,
+         "duplicate_equal": dup_equal, "bitwise": ex["bitwise"], "max_abs_diff": ex["max_abs_diff"],
          "rel_fro_diff": ex["rel_fro_diff"], "sim_best": {"surplus": best_key[0], "dp_slots": best_key[1]},
          "sim": {f"{p}_dp{d}": {"last_wave_latency_s": r.last_wave_latency_s,
                                 "exposed_overlap_s": r.exposed_overlap_s,

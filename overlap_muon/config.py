@@ -71,6 +71,11 @@ class OverlapMuonConfig:
     syrk: bool = _opt(False, "OVERLAP_MUON_SYRK", kind=bool)
     """NS computes ``X Xᵀ`` and ``A @ A`` as symmetric block products (fewer FLOPs; not bitwise on this CPU, see
     ``overlap_muon.ns`` [Note: symmetric Gram]), off by default."""
+    surplus: str = _opt("idle", "OVERLAP_MUON_SURPLUS", choices=("idle", "duplicate"))
+    """What the homes a wave leaves without a matrix do (``scheduler.surplus``): ``idle``, or ``duplicate``: a wave
+    whose surplus plan gives every matrix every rank of the domain is gathered to all of them, each runs the NS
+    and keeps its own block, and nothing is scattered back (bitwise the single-home result). ``team`` and ``auto``
+    are planned and simulated but not wired ([Note: runtime wiring] in ``scheduler/surplus.py``)."""
     check_grad_presence: bool = _opt(True, "OVERLAP_MUON_CHECK_GRAD_PRESENCE", kind=bool)
     """Each wave agrees, over the runtime's gloo group, on which params have a gradient (host flags only)."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)

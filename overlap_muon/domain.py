@@ -559,6 +559,12 @@ def describe_expert_param(
             return [], (f"expert param {name!r} (shape {tuple(p.shape)}) has placements {dict(by_name)}; expected "
                         f"Shard(0) or Replicate on {ep_dim!r}, Shard(1), Shard(2) or Replicate on {etp_dim!r}, "
                         "Replicate elsewhere")
+        names = tuple(p.device_mesh.mesh_dim_names or ())
+        ep_size = p.device_mesh.size(names.index(ep_dim)) if isinstance(ep_pl, Shard) else 1
+        if p.shape[0] % ep_size:
+            return [], (f"expert param {name!r} (shape {tuple(p.shape)}) has {p.shape[0]} experts over EP size "
+                        f"{ep_size}; every EP rank must hold the same number of experts (the ranks plan and "
+                        "exchange in lockstep)")
         if T > 1 and isinstance(etp_pl, Shard) and etp_pl.dim in (1, 2):
             pd: int | None = etp_pl.dim - 1
         elif isinstance(etp_pl, Replicate):

@@ -32,6 +32,7 @@ from hooks import (
     compile_boundary, register_forward_waits, weak_callback,
 )
 from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
+from scheduler.surplus import duplicated_everywhere
 from scheduler.waves import Wave
 
 from .checks import check_plan_everywhere, raise_everywhere
@@ -384,9 +385,12 @@ class OverlapMuon(torch.optim.Optimizer):
             return plan_waves(sub_order, costs, size, wave_slots=slots, balance=cfg.balance, taper=cfg.overlap)
 
         self._waves: list[Wave] = plan_by_domain(order, [m.domain for m in self._muon], one)
+        self._pipeline.reset_plans()
+        if cfg.surplus == "duplicate" and cfg.mode == "layer_sharded":
+            self._pipeline.gathered |= duplicated_everywhere(
+                self._waves, [m.full_shape for m in self._muon], [self.domain.size, self.expert_domain.size])
         self._wave_of = {i: w.index for w in self._waves for i in w.params}
         self._dispatcher = WaveDispatcher(self._waves, self._launch)
-        self._pipeline.reset_plans()
 
     def _register_waits(self, model: nn.Module) -> None:
         """Forward pre-hooks (prepended, before FSDP2's all-gather) waiting for the waves of the params each

@@ -214,6 +214,9 @@ class WavePipeline:
         # released, after their last event ([Note: release on time]).
         self._eager_release = not self.lanes.cuda
         self._route_plans: dict[Any, dict] = {}
+        self.gathered: set[int] = set()
+        """Waves run as in ``duplicated`` mode (every rank gathers and NS's every matrix, nothing is scattered):
+        all of them in that mode, else those the surplus plan duplicates on every rank (``surplus="duplicate"``)."""
         self._pending: dict[int, WaveState] = {}  # launched, not yet committed, by wave index
         self._applied: dict[int, WaveState] = {}  # committed, apply not yet waited for
         self._orphans: list[WaveState] = []  # discarded while tasks were still queued (their exchanges run on)
@@ -280,7 +283,7 @@ class WavePipeline:
         with prof_range(wave_range_name(k, "a2a_to_home"), nvtx=self.config.nvtx):
             if not ex:
                 pass  # every rank has the same items (gradient presence is agreed), so every rank skips
-            elif self.config.mode == "duplicated":
+            elif self._gathers(st.wave):
                 fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(packed, pds, shapes, dom))
                 st.mine = list(range(len(ex)))
             else:
@@ -329,7 +332,7 @@ class WavePipeline:
         with prof_range(wave_range_name(st.wave.index, "a2a_from_home"), nvtx=self.config.nvtx):
             if not ex:
                 pass
-            elif self.config.mode == "duplicated":
+            elif self._gathers(st.wave):
                 updates = [local_shard(o, pd, dom) for o, pd in zip(outs, pds)]
             else:
                 homes = [st.wave.homes[st.items[j]] for j in ex]
@@ -362,6 +365,9 @@ class WavePipeline:
                                      adjust_lr_fn, shape, region)
         if self._eager_release:
             st.release()
+
+    def _gathers(self, wave: Wave) -> bool:
+        return self.config.mode == "duplicated" or wave.index in self.gathered
 
     def _ns_many(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
         """NS of each matrix; same-shape matrices batched (no flattening across matrices)."""
@@ -414,15 +420,16 @@ class WavePipeline:
             raise  # bad input, already named (raised on every rank before the collective)
         except Exception as e:
             fused = self.config.fused_a2a
-            op = "all_gather" if self.config.mode == "duplicated" else "all_to_all"
+            gathers = self._gathers(st.wave)
+            op = "all_gather" if gathers else "all_to_all"
             raise RuntimeError(
                 f"OverlapMuon wave {st.wave.index} {phase} failed on rank {dist.get_rank()} "
-                f"({'fused' if fused else 'two-stage'} {op} over the runtime's {self._group_desc(dom)}; "
+                f"({'fused' if fused else 'two-stage'} {op} over the runtime's {self._group_desc(dom, gathers)}; "
                 f"params {[self.muon[i].name for i in st.items]}): {e}"
             ) from e
 
-    def _group_desc(self, dom: Domain) -> str:
-        if self.config.fused_a2a or self.config.mode == "duplicated":
+    def _group_desc(self, dom: Domain, gathers: bool) -> str:
+        if self.config.fused_a2a or gathers:
             g, what = dom.flat_group, "flat R x T group"
         else:
             g, what = dom.remat_group or dom.tp_group, "remat/TP groups"
@@ -640,6 +647,7 @@ class WavePipeline:
     def reset_plans(self) -> None:
         """The wave plan changed: route plans are per (wave, params), drop them."""
         self._route_plans.clear()
+        self.gathered.clear()
 
     def close(self) -> None:
         """Stop the lane threads once their queued tasks are done (does not wait for them)."""

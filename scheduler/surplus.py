@@ -72,7 +72,7 @@ from .chunks import chunk_sizes
 from .cost import _check_shape, ns_flops
 from .homes import _check_num_ranks
 
-__all__ = ["POLICIES", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
+__all__ = ["POLICIES", "duplicated_everywhere", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
            "team_row_counts", "serving_homes"]
 
 #: The surplus policies, in the order ``auto`` prefers them on a tie.
@@ -467,3 +467,28 @@ def plan_surplus(
         if cand.wave_s < best.wave_s * (1 - 1e-9):  # a tie keeps the simpler policy
             best = cand
     return best
+
+
+def duplicated_everywhere(
+    waves: Sequence, shapes: Sequence[tuple[int, int]], domain_sizes: Sequence[int],
+    cost_model: SurplusCostModel | None = None,
+) -> set[int]:
+    """Indices of the waves whose ``duplicate`` plan gives every matrix every rank of its domain: the runtime's
+    ``surplus="duplicate"`` runs exactly those as gathers (each rank NS's every matrix of the wave and keeps its own
+    block; nothing goes back). A wave that fills its domain has no surplus and stays single-homed; partial
+    duplication (``k`` of ``S`` ranks) is planned here but not run ([Note: runtime wiring]).
+
+    Args:
+        waves: ``scheduler.Wave`` s (``params``, ``homes``, ``domain``).
+        shapes: full ``(P, Q)`` per param index.
+        domain_sizes: ranks per domain, indexed by ``Wave.domain``.
+    """
+    out = set()
+    for w in waves:
+        size = domain_sizes[w.domain]
+        if size < 2 or len(w.params) >= size:
+            continue
+        plan = plan_surplus(w.params, w.homes, {i: shapes[i] for i in w.params}, size, "duplicate", cost_model)
+        if all(a.kind == "duplicate" and len(a.ranks) == size for a in plan.assignments.values()):
+            out.add(w.index)
+    return out

@@ -183,3 +183,53 @@ def test_serving_homes_cover_every_rank():
     assert serving_homes(team, 4, 4) == [-1] * 4
     with pytest.raises(ValueError, match="outside"):
         serving_homes(dup, 2, 4)
+
+
+def test_duplicated_everywhere_picks_waves_with_room_for_every_rank():
+    from scheduler.surplus import duplicated_everywhere
+
+    waves = plan_waves(list(range(5))[::-1], [1.0] * 5, 2, taper=True)  # sizes [1, 2, 1, 1] on 2 homes
+    assert [len(w.params) for w in waves] == [1, 2, 1, 1]
+    assert duplicated_everywhere(waves, [(512, 256)] * 5, [2]) == {0, 2, 3}  # the full wave stays single-homed
+    assert duplicated_everywhere(waves, [(512, 256)] * 5, [1]) == set()  # one rank: no surplus
+
+
+def _surplus_body(rank, world, R, T, surplus, overlap):
+    import torch
+
+    from tests.models import ADAMW_KW, HP, PARTITION, TinyNet, build_dtensor_model, local, set_grad
+    from overlap_muon import OverlapMuon
+
+    torch.manual_seed(0)
+    g, t = divmod(rank, T)
+    full = TinyNet()
+    model, mesh = build_dtensor_model(full, R, T)
+    opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, device_mesh=mesh, overlap=overlap, surplus=surplus, **HP)
+    for s in range(3):
+        gen = torch.Generator().manual_seed(50 + s)
+        for n, p in model.named_parameters():
+            set_grad(p, torch.randn(p.shape, generator=gen), PARTITION.get(n), R, T, g, t)
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    out = {n: local(p).detach().clone() for n, p in model.named_parameters()}
+    gathered = sorted(opt._pipeline.gathered)
+    opt.close()
+    return out, gathered
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("R,T", [(1, 2), (2, 2)])
+def test_runtime_duplicate_is_bitwise_the_single_home_result(R, T):
+    """``surplus="duplicate"``: the waves with room for every rank run as gathers (each rank NS's the wave's
+    matrices and keeps its block, nothing is scattered); params equal ``surplus="idle"`` (itself bitwise
+    torch.optim.Muon in test_parity) with ``torch.equal``."""
+    from tests.dist_utils import run_ranks
+
+    import torch
+
+    idle = run_ranks(_surplus_body, R * T, R, T, "idle", True, timeout=120)
+    dup = run_ranks(_surplus_body, R * T, R, T, "duplicate", True, timeout=120)
+    assert all(not g for _, g in idle) and all(g for _, g in dup), [g for _, g in dup]
+    for (a, _), (b, _) in zip(idle, dup):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -76,6 +76,10 @@ class OverlapMuonConfig:
     whose surplus plan gives every matrix every rank of the domain is gathered to all of them, each runs the NS
     and keeps its own block, and nothing is scattered back (bitwise the single-home result). ``team`` and ``auto``
     are planned and simulated but not wired ([Note: runtime wiring] in ``scheduler/surplus.py``)."""
+    dp_slots: bool = _opt(False, "OVERLAP_MUON_DP_SLOTS", kind=bool)
+    """With replicate dims on the mesh (HSDP), the replicas of the dense domain share its NS work instead of each
+    running all of it; results are swapped over the DP groups ([Note: DP replicas as NS slots] in
+    ``overlap_muon/pipeline.py``). Bitwise the same. Layer-sharded mode only."""
     check_grad_presence: bool = _opt(True, "OVERLAP_MUON_CHECK_GRAD_PRESENCE", kind=bool)
     """Each wave agrees, over the runtime's gloo group, on which params have a gradient (host flags only)."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)

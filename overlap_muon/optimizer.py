@@ -14,6 +14,7 @@ home assembles bit for bit, and the learning-rate ratio uses the full logical sh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import datetime
 import logging
@@ -44,7 +45,7 @@ from .domain import (
 )
 from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
-from .pipeline import Hyper, TestingSeam, WavePipeline
+from .pipeline import Hyper, TestingSeam, WavePipeline, dp_slot_groups
 from .sorting import adamw_param_groups, conv1d_weights, default_muon_ids, expert_selector, split_table
 from .split import SplitArg, apply_runs, resolve_split
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
@@ -265,6 +266,10 @@ class OverlapMuon(torch.optim.Optimizer):
         experts_on = bool(expert_ids) and elayouts is not None and dist.get_world_size() > 1
         # step()'s agreement, over every rank of the job
         ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed or experts_on else None
+        dp = None
+        if distributed and len(layouts) > 1 and self.config.dp_slots and self.config.mode == "layer_sharded":
+            dp, wide = dp_slot_groups(layouts, self._rank, timeout)
+            dom_to = dataclasses.replace(dom_to, ctrl_group=wide)  # presence is agreed over every replica
         edoms = None
         if experts_on:
             self.expert_domain = Domain.from_all_layouts(elayouts, timeout=timeout)
@@ -293,7 +298,7 @@ class OverlapMuon(torch.optim.Optimizer):
         ``skipped_steps``."""
         device = local_tensor(self._muon[0].param).device if self._muon else torch.device("cpu")
         self._pipeline = WavePipeline(self._muon, self.state, dom_to, dom_from, self.config, device, self.stats,
-                                      ctrl, self._testing, expert_doms=edoms)
+                                      ctrl, self._testing, expert_doms=edoms, dp_slots=dp)
         # A grouped expert weight is several Muon matrices: hooks and waits see the param once, under its first
         # index (``_first``), and stand for all of its matrices (``_siblings``).
         self._first: dict[int, int] = {}
@@ -376,7 +381,8 @@ class OverlapMuon(torch.optim.Optimizer):
         cfg = self.config
 
         def one(sub_order: list[int], members: list[int], d: int) -> list[Wave]:
-            size = (self.expert_domain if d else self.domain).size
+            dp = self._pipeline.dp
+            size = self.expert_domain.size if d else self.domain.size * (dp.size if dp is not None else 1)
             costs = [self._costs[i] for i in members]
             if cfg.overlap and cfg.wave_slots is None and cfg.wave_plan == "cost":
                 return plan_waves_by_cost(sub_order, costs, [self._muon[i].full_shape for i in members], size,
@@ -386,7 +392,7 @@ class OverlapMuon(torch.optim.Optimizer):
 
         self._waves: list[Wave] = plan_by_domain(order, [m.domain for m in self._muon], one)
         self._pipeline.reset_plans()
-        if cfg.surplus == "duplicate" and cfg.mode == "layer_sharded":
+        if cfg.surplus == "duplicate" and cfg.mode == "layer_sharded" and self._pipeline.dp is None:
             self._pipeline.gathered |= duplicated_everywhere(
                 self._waves, [m.full_shape for m in self._muon], [self.domain.size, self.expert_domain.size])
         self._wave_of = {i: w.index for w in self._waves for i in w.params}

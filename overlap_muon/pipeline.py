@@ -44,6 +44,7 @@ is enqueued from the launching thread, it waits for the peers' hosts only.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -65,7 +66,39 @@ from .ns import zeropower
 from .profiling import prof_range, wave_range_name
 from .split import split_ns
 
-__all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam"]
+__all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam", "DPSlots", "dp_slot_groups"]
+
+
+@dataclass(frozen=True)
+class DPSlots:
+    """[Note: DP replicas as NS slots] With replicate dims (HSDP's ``dp_replicate``) every replica of the dense
+    domain holds the same shards and, after the gradient all-reduce, the same gradients, so by default each replica
+    runs the NS of every matrix. With DP slots a wave's homes number ``D * S`` (replica ``h // S``, domain rank
+    ``h % S``): each replica gathers, orthogonalizes and scatters only the matrices homed in it, then every rank
+    swaps its blocks of the results with the same-position rank of the other replicas (one ``all_to_all`` over
+    that DP group, on the from-home lane after the scatter). Same inputs, same NS: bitwise the result of every
+    replica running all of it, at ``1/D`` of the NS and of the domain's exchanges per replica plus the DP swap."""
+
+    size: int  #: D, the number of replicas
+    replica: int  #: this rank's replica, in [0, D)
+    domain_size: int  #: S, ranks per replica (the dense domain's size)
+    group: dist.ProcessGroup  #: the D ranks at this rank's position in every replica
+
+
+def dp_slot_groups(layouts: list[list[list[int]]], rank: int, timeout: Any) -> tuple[DPSlots, dist.ProcessGroup]:
+    """This rank's :class:`DPSlots` for the replicas ``layouts`` (one ``R x T`` grid each, identical on every
+    rank), and a gloo group over every replica's ranks for the per-wave presence agreement. Collective over the
+    default group: every rank creates every group, in one order."""
+    flats = [[r for row in lay for r in row] for lay in layouts]
+    mine = next(d for d, f in enumerate(flats) if rank in f)
+    pos = flats[mine].index(rank)
+    cols = [[f[p] for f in flats] for p in range(len(flats[0]))]
+    if any(c != sorted(c) for c in cols):  # group rank r must be replica r (the DP swap's split order)
+        raise ValueError(f"dp_slots: the replicas' ranks {flats} do not increase with the replica index at every "
+                         "position; put the replicate dim outside the domain's dims in the mesh")
+    groups = [dist.new_group(ranks=c, timeout=timeout) for c in cols]
+    wide = dist.new_group(ranks=sorted(r for f in flats for r in f), backend="gloo", timeout=timeout)
+    return DPSlots(len(flats), mine, len(flats[0]), groups[pos]), wide
 
 
 @dataclass
@@ -178,6 +211,8 @@ class WavePipeline:
         stats: the optimizer's counters (``ns_matrices``, ``ns_calls``, ``waves_launched``, ``reruns``).
         ctrl_group: a gloo group over every rank of the job for ``commit``'s agreement (``None``: one process).
         testing: the private :class:`TestingSeam`.
+        dp_slots: the data-parallel replicas of the dense domain share its NS work ([Note: DP replicas as NS
+            slots]); ``None``: each replica runs all of it.
         expert_doms: ``(dom_to, dom_from, ctrl_group)`` of this rank's expert domain, the routes of the waves with
             ``wave.domain == 1`` ([Note: two domains] in ``domain.py``); ``ctrl_group`` is a gloo group over that
             domain for ``commit``'s agreement on expert gradients. ``None``: expert matrices (if any) are this
@@ -196,6 +231,7 @@ class WavePipeline:
         ctrl_group: dist.ProcessGroup | None,
         testing: TestingSeam,
         expert_doms: tuple[Domain, Domain, dist.ProcessGroup | None] | None = None,
+        dp_slots: DPSlots | None = None,
     ) -> None:
         self.muon = list(muon)
         self.state = state
@@ -203,6 +239,7 @@ class WavePipeline:
         single = Domain.single()
         self._doms = [(dom_to, dom_from), expert_doms[:2] if expert_doms else (single, single)]
         self._expert_ctrl = expert_doms[2] if expert_doms else None
+        self.dp = dp_slots
         self.config = config
         self.stats = stats
         self.ctrl_group = ctrl_group
@@ -257,6 +294,22 @@ class WavePipeline:
             self._pending[wave.index] = st
         return st
 
+    def _exchanged(self, st: WaveState) -> tuple[list[int], list[int]]:
+        """Positions in ``st.items`` of the wave's exchanged (not replicated) params: those routed in this rank's
+        domain, and (DP slots) those another replica computes, which arrive in ``from_home``'s DP exchange."""
+        mps = [self.muon[i] for i in st.items]
+        ex = [j for j, m in enumerate(mps) if not m.replicated]
+        if self.dp is None or st.wave.domain != 0:
+            return ex, []
+        S, d = self.dp.domain_size, self.dp.replica
+        mine = [j for j in ex if st.wave.homes[st.items[j]] // S == d]
+        return mine, [j for j in ex if st.wave.homes[st.items[j]] // S != d]
+
+    def _home(self, wave: Wave, i: int) -> int:
+        """Param ``i``'s home as a rank of this rank's domain (DP slots: homes number ``D * S``, replica-major)."""
+        h = wave.homes[i]
+        return h % self.dp.domain_size if self.dp is not None and wave.domain == 0 else h
+
     def _to_home_task(self, st: WaveState, check: bool) -> None:
         k, dom = st.wave.index, self._doms[st.wave.domain][0]
         if check:
@@ -266,16 +319,17 @@ class WavePipeline:
             return
         mps = [self.muon[i] for i in st.items]
         h = st.hyper
+        ex, others = self._exchanged(st)
+        skip = set(others)  # DP slots: another replica computes these, no NS input is needed here
         with prof_range(wave_range_name(k, "pack"), nvtx=self.config.nvtx):
             bufs = [m.local(self.state[m.param]["momentum_buffer"]) for m in mps]
             grads = [m.local(g) for m, g in zip(mps, st.grads)]
             # The new momentum lives only as long as the NS input needs it; the apply recomputes it in place
             # (the same op on the same values: bitwise the same), so a speculative wave holds no momentum copy.
-            st.packed = [ns_input(g, momentum_update(b, g, h.momentum), h.momentum, h.nesterov)
-                         for b, g in zip(bufs, grads)]
+            st.packed = [None if j in skip else ns_input(g, momentum_update(b, g, h.momentum), h.momentum, h.nesterov)
+                         for j, (b, g) in enumerate(zip(bufs, grads))]
         # Replicated params ([Note: replicated params] in domain.py) skip the exchanges: their NS input is the full
         # matrix already. The exchanged ones come first in ``fulls``, the replicated ones after them.
-        ex = [j for j, m in enumerate(mps) if not m.replicated]
         packed = [st.packed[j] for j in ex]
         pds, shapes = [mps[j].partition_dim for j in ex], [mps[j].full_shape for j in ex]
         fulls: list[Tensor] = []
@@ -287,7 +341,7 @@ class WavePipeline:
                 fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(packed, pds, shapes, dom))
                 st.mine = list(range(len(ex)))
             else:
-                homes = [st.wave.homes[st.items[j]] for j in ex]
+                homes = [self._home(st.wave, st.items[j]) for j in ex]
                 plan = self._route_plans.setdefault(("to", k, tuple(st.items)), {})
                 fulls, st.mine = self._exchange(
                     st, "a2a_to_home", dom,
@@ -305,7 +359,7 @@ class WavePipeline:
             wrap = self.testing.ns_wrap
             # fulls: the exchanged matrices homed here (positions ex[st.mine]), then the replicated ones
             mps = [self.muon[i] for i in st.items]
-            ex = [j for j, m in enumerate(mps) if not m.replicated]
+            ex = self._exchanged(st)[0]
             homed = [mps[ex[j]] for j in st.mine] + [m for m in mps if m.replicated]
             # [Note: transposed weights] a weight stored (in, out) (HF Conv1D) is the (out, in) linear W^T: NS runs
             # on a contiguous copy of W^T, exactly the matrix torch.optim.Muon sees for the equivalent nn.Linear, and
@@ -322,7 +376,7 @@ class WavePipeline:
         if st.empty:
             return
         mps = [self.muon[i] for i in st.items]
-        ex = [j for j, m in enumerate(mps) if not m.replicated]
+        ex, others = self._exchanged(st)
         rep = [j for j, m in enumerate(mps) if m.replicated]
         outs, rep_outs = st.outs[:len(st.mine)], st.outs[len(st.mine):]  # see _to_home_task's order
         packed = [st.packed[j] for j in ex]
@@ -335,17 +389,46 @@ class WavePipeline:
             elif self._gathers(st.wave):
                 updates = [local_shard(o, pd, dom) for o, pd in zip(outs, pds)]
             else:
-                homes = [st.wave.homes[st.items[j]] for j in ex]
+                homes = [self._home(st.wave, st.items[j]) for j in ex]
                 plan = self._route_plans.setdefault(("from", st.wave.index, tuple(st.items)), {})
                 updates = self._exchange(
                     st, "a2a_from_home", dom,
                     lambda: from_homes(outs, st.mine, packed, homes, pds, shapes, dom,
                                        fused=self.config.fused_a2a, plan=plan),
                 )
-        by_pos = dict(zip(ex, updates)) | dict(zip(rep, rep_outs))
+            shared: list[Tensor] = []
+            if ex or others:  # DP slots: every rank of the wave's replicas takes part (presence is agreed job-wide)
+                shared = self._exchange(st, "dp_share", dom, lambda: self._dp_share(st, ex, updates, others)) \
+                    if self.dp is not None and st.wave.domain == 0 else []
+        by_pos = dict(zip(ex, updates)) | dict(zip(others, shared)) | dict(zip(rep, rep_outs))
         st.updates = [by_pos[j] for j in range(len(mps))]
         if self._eager_release:
             st.outs = st.packed = None
+
+    def _dp_share(self, st: WaveState, ex: list[int], updates: list[Tensor], others: list[int]) -> list[Tensor]:
+        """[Note: DP replicas as NS slots] This rank's blocks of the results its replica computed (``ex``, in
+        ``updates``) go to the same-position rank of every other replica, which sends back its own: one
+        ``all_to_all`` over the DP group of flat bf16 buffers. Returns the blocks of ``others``, in order."""
+        dp, S = self.dp, self.dp.domain_size
+        owner = {j: st.wave.homes[st.items[j]] // S for j in ex + others}
+        shapes = {j: tuple(self.muon[st.items[j]].local(self.muon[st.items[j]].param).shape) for j in owner}
+        numel = {j: math.prod(shapes[j]) for j in owner}
+        n = [sum(numel[j] for j in sorted(owner) if owner[j] == r) for r in range(dp.size)]
+        device = self.muon[st.items[(ex + others)[0]]].local(self.muon[st.items[(ex + others)[0]]].param).device
+        dtype = updates[0].dtype if updates else torch.bfloat16  # NS results are bf16 (overlap_muon.ns)
+        send = torch.cat([u.reshape(-1) for u in updates]) if updates else torch.empty(0, dtype=dtype, device=device)
+        recv = torch.empty(sum(n), dtype=dtype, device=device)
+        dist.all_to_all_single(recv, send.repeat(dp.size), output_split_sizes=n, input_split_sizes=[send.numel()] * dp.size,
+                               group=dp.group)
+        parts = dict(zip(range(dp.size), recv.split(n)))
+        got: dict[int, Tensor] = {}
+        for r in range(dp.size):
+            if r == dp.replica:
+                continue
+            mine = [j for j in sorted(owner) if owner[j] == r]
+            for j, flat in zip(mine, parts[r].split([numel[j] for j in mine])):
+                got[j] = flat.view(shapes[j])
+        return [got[j] for j in others]
 
     def _apply_task(self, st: WaveState, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None) -> None:
         if self.testing.before_apply is not None:
@@ -399,10 +482,11 @@ class WavePipeline:
             ValueError: some params have a gradient on some ranks of the domain and not on others.
         """
         dom, params = self._doms[st.wave.domain][0], st.wave.params
+        n = dist.get_world_size(dom.ctrl_group)  # the domain, or (DP slots) every replica of it
         have = torch.tensor([1 if i in st.items else 0 for i in params], dtype=torch.uint8)
-        everyone = torch.empty(dom.size * have.numel(), dtype=torch.uint8)
-        dist.all_to_all_single(everyone, have.repeat(dom.size), group=dom.ctrl_group)
-        table = everyone.view(dom.size, -1)
+        everyone = torch.empty(n * have.numel(), dtype=torch.uint8)
+        dist.all_to_all_single(everyone, have.repeat(n), group=dom.ctrl_group)
+        table = everyone.view(n, -1)
         agree = (table == table[0]).all(dim=0).tolist()
         split = [self.muon[i].name for i, ok in zip(params, agree) if not ok]
         if split:

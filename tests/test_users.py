@@ -122,14 +122,16 @@ def _titan_body(rank, world, shape, names):
     dp_index = 0
     for n in dp_dims:  # the data-parallel index of this rank: its coordinate over the dp dims
         dp_index = dp_index * mesh[n].size() + mesh[n].get_local_rank()
-    out = {}
+    out, nsd = {}, {}
     for tag, kw in (("overlap", dict(overlap=True)), ("sync", dict(overlap=False)),
-                    ("duplicated", dict(overlap=True, mode="duplicated"))):
+                    ("duplicated", dict(overlap=True, mode="duplicated")), ("dp_slots", dict(overlap=True, dp_slots=True)),
+                    ("dp_slots_sync", dict(overlap=False, dp_slots=True, wave_slots=None))):
         torch.manual_seed(0)
         model = TitanLike()
         _parallelize_titan(model, mesh, dp_dims)
         opt = OverlapMuon(model, device_mesh=mesh, remat_dim="dp_shard", tp_dim="tp", adamw_kwargs=ADAMW_KW,
-                          wave_slots=2, **HP, **kw)
+                          **({"wave_slots": 2} | kw), **HP)
+        ns = opt.stats
         assert opt.muon_param_names == TITAN_MUON, opt.muon_param_names
         for s in range(3):
             tokens = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(100 * s + dp_index))
@@ -139,10 +141,11 @@ def _titan_body(rank, world, shape, names):
         opt.synchronize()
         out[tag] = [local(p).detach().clone() for p in model.parameters()]
         dom = (opt.domain.remat_size, opt.domain.tp_size)
+        nsd[tag] = ns["ns_matrices"]
         opt.close()
     bad = {tag: [i for i, (a, b) in enumerate(zip(out["overlap"], out[tag])) if not torch.equal(a, b)]
-           for tag in ("sync", "duplicated")}
-    return bad, dom
+           for tag in ("sync", "duplicated", "dp_slots", "dp_slots_sync")}
+    return bad, dom, nsd
 
 
 @pytest.mark.timeout(300)
@@ -155,13 +158,20 @@ def _titan_body(rank, world, shape, names):
 def test_torchtitan_named_mesh_bitwise(shape, names, domain):
     """Bug: a mesh named as torchtitan names it was rejected ("a 2-D device_mesh must have dims ('remat', 'tp')").
     Now ``remat_dim``/``tp_dim`` name the domain's dims; a ``dp_replicate`` dim is outside the domain (each replica
-    is a domain of its own). Overlap on equals overlap off and duplicated mode bit for bit."""
+    is a domain of its own). Overlap on equals overlap off, duplicated mode and DP slots (HSDP replicas sharing the
+    NS work, sync and overlap) bit for bit."""
     world = 1
     for s in shape:
         world *= s
-    for bad, dom in run_ranks(_titan_body, world, shape, names, timeout=270):
+    res = run_ranks(_titan_body, world, shape, names, timeout=270)
+    for bad, dom, _ in res:
         assert dom == domain
-        assert bad == {"sync": [], "duplicated": []}, bad
+        assert bad == {"sync": [], "duplicated": [], "dp_slots": [], "dp_slots_sync": []}, bad
+    # DP slots (dp_replicate meshes): the replicas share the NS work, each matrix is orthogonalized once per step
+    # in the job instead of once per replica; without a replicate dim the option changes nothing.
+    total = {tag: sum(n[tag] for _, _, n in res) for tag in ("overlap", "dp_slots", "dp_slots_sync")}
+    replicas = shape[0] if names[0] == "dp_replicate" else 1
+    assert total["overlap"] == replicas * total["dp_slots"] == replicas * total["dp_slots_sync"], total
 
 
 def _wrong_name_body(rank, world):

@@ -652,8 +652,9 @@ _COUNTED = ("all_to_all_single", "all_gather_single", "all_gather_into_tensor", 
             "all_reduce", "broadcast", "reduce_scatter_tensor", "barrier")
 
 
-#: The collectives that move optimizer data (the runtime's per-wave gradient-presence check is a one-byte-per-matrix
-#: all_to_all_single: the comm case measures it separately, as the "fused_checked" configuration).
+#: The collectives that move optimizer data (the runtime's per-wave gradient-presence check, run by overlap-mode
+#: waves, is a one-byte-per-matrix all_to_all_single on a gloo group; a synchronous step folds it into step()'s
+#: agreement, which the comm case counts apart).
 _DATA_OPS = ("all_to_all_single", "all_gather_single", "all_gather_into_tensor", "all_gather", "all_to_all")
 
 
@@ -750,7 +751,8 @@ def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps
     g, t = divmod(rank, T)
     tp, rm = _domain_groups(R, T, g, t)
     specs = [(full, pd) for _ in range(layers) for _, full, pd in _transformer_layer(d)]
-    # Data movement alone (gradient-presence check off), then the default configuration with its check.
+    # Data movement alone (gradient-presence check off), then the default configuration (its presence agreement
+    # is step()'s, counted apart).
     configs = {
         "fused": dict(mode="layer_sharded", fused_a2a=True, check_grad_presence=False),
         "two_stage": dict(mode="layer_sharded", fused_a2a=False, check_grad_presence=False),

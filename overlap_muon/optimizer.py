@@ -538,6 +538,8 @@ class OverlapMuon(torch.optim.Optimizer):
             self.last_grad_norm, clipped = clip_grads_by_total_norm_(grads, self.max_grad_norm)
             self.stats["clipped_steps"] += clipped
         self.stats["skipped_steps"] += not ok
+        if ok and not self.config.overlap and not self._pipeline.has_pending():
+            self._pipeline.agree_before_launch()  # one agreement for the whole synchronous step
         self._dispatcher.flush()
         reruns = self._pipeline.commit(self._waves, self.param_groups[0], validate=self.config.overlap, skip=not ok)
         if reruns and not self._warned_reruns:

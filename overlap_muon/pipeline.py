@@ -255,6 +255,7 @@ class WavePipeline:
         """Waves run as in ``duplicated`` mode (every rank gathers and NS's every matrix, nothing is scattered):
         all of them in that mode, else those the surplus plan duplicates on every rank (``surplus="duplicate"``)."""
         self._pending: dict[int, WaveState] = {}  # launched, not yet committed, by wave index
+        self._agreed = False  # this (synchronous) step's gradient presence is agreed: waves skip their checks
         self._applied: dict[int, WaveState] = {}  # committed, apply not yet waited for
         self._orphans: list[WaveState] = []  # discarded while tasks were still queued (their exchanges run on)
         self._lock = threading.RLock()
@@ -275,7 +276,8 @@ class WavePipeline:
         self.testing.record("launch", wave.index)
         if self.testing.on_state is not None:
             self.testing.on_state(st)
-        check = self.config.check_grad_presence and self._doms[wave.domain][0].ctrl_group is not None
+        check = (self.config.check_grad_presence and not self._agreed
+                 and self._doms[wave.domain][0].ctrl_group is not None)
         if not items and not check:
             st.empty = True
         else:
@@ -551,33 +553,15 @@ class WavePipeline:
         with self._lock:
             pending = dict(self._pending)
         if skip:
+            self._agreed = False
             self.discard()
             return 0
         reruns = 0
         hyper = Hyper.of(group)
         stale = [1 if validate and w.index in pending and self.stale(pending[w.index], hyper) else 0 for w in waves]
-        if self.ctrl_group is not None and pending:
-            # One host-side all-reduce (gloo, no device tensor): which waves any rank finds stale, and whether the
-            # ranks agree on which params have a gradient: a mismatch is a ValueError on every rank here, before
-            # anything is applied (the per-wave check on the lane only keeps the exchanges from hanging). Expert
-            # matrices differ between EP ranks: their presence is agreed within the expert domain first (every
-            # rank, in that order), and a mismatch there travels in the job-wide flags as one more flag.
-            dense = [m for m in self.muon if m.domain == 0]
-            experts = [m for m in self.muon if m.domain == 1]
-            split = self._split_presence(experts, self._expert_ctrl, pending) if self._expert_ctrl else []
-            have = [1 if m.param.grad is not None else 0 for m in dense]
-            flags = torch.tensor(stale + have + [1 - h for h in have] + [1 if split else 0], dtype=torch.uint8)
-            self._agree(flags, self.ctrl_group, pending)
-            n, k = len(stale), len(have)
-            stale = flags[:n].tolist()
-            split += [m.name for m, a, b in zip(dense, flags[n:n + k].tolist(), flags[n + k:-1].tolist()) if a and b]
-            if split or flags[-1]:
-                self.discard()
-                raise ValueError(
-                    f"OverlapMuon step(): Muon params {split[:8] or '(on another rank)'}{' ...' if len(split) > 8 else ''} "
-                    "have a gradient on some ranks and not on others; every rank of a domain must compute the "
-                    "same params' gradients. Nothing was applied."
-                )
+        if self.ctrl_group is not None and pending and not self._agreed:
+            stale = self._agree_step(stale, pending)
+        self._agreed = False
         for w, f in zip(waves, stale):
             if f:
                 pending[w.index] = self.launch(w, hyper)
@@ -599,6 +583,46 @@ class WavePipeline:
                 self._pending.pop(k, None)
                 self._applied[k] = st
         return reruns
+
+    def agree_before_launch(self) -> None:
+        """A synchronous step, before it launches its waves: the step's one agreement on gradient presence now, so
+        the waves skip their per-wave checks ([Note: gradient presence without the device]) and ``commit`` skips
+        its own (no wave is speculative, nothing can be stale): one host collective per step instead of one per
+        wave plus one.
+
+        Raises:
+            ValueError: on every rank, as :meth:`commit` would (nothing is launched or applied).
+        """
+        if self.ctrl_group is not None:
+            self._agree_step([], {})
+            self._agreed = True
+
+    def _agree_step(self, stale: list[int], pending: dict[int, WaveState]) -> list[int]:
+        """One host-side all-reduce (gloo, no device tensor): which waves any rank finds stale (``stale``: this
+        rank's flags), and whether the ranks agree on which params have a gradient: a mismatch is a ValueError on
+        every rank here, before anything is applied (the per-wave check on the lane only keeps the exchanges from
+        hanging). Expert matrices differ between EP ranks: their presence is agreed within the expert domain first
+        (every rank, in that order), and a mismatch there travels in the job-wide flags as one more flag.
+
+        Returns:
+            The job-wide stale flags.
+        """
+        dense = [m for m in self.muon if m.domain == 0]
+        experts = [m for m in self.muon if m.domain == 1]
+        split = self._split_presence(experts, self._expert_ctrl, pending) if self._expert_ctrl else []
+        have = [1 if m.param.grad is not None else 0 for m in dense]
+        flags = torch.tensor(stale + have + [1 - h for h in have] + [1 if split else 0], dtype=torch.uint8)
+        self._agree(flags, self.ctrl_group, pending)
+        n, k = len(stale), len(have)
+        split += [m.name for m, a, b in zip(dense, flags[n:n + k].tolist(), flags[n + k:-1].tolist()) if a and b]
+        if split or flags[-1]:
+            self.discard()
+            raise ValueError(
+                f"OverlapMuon step(): Muon params {split[:8] or '(on another rank)'}{' ...' if len(split) > 8 else ''} "
+                "have a gradient on some ranks and not on others; every rank of a domain must compute the "
+                "same params' gradients. Nothing was applied."
+            )
+        return flags[:n].tolist()
 
     def _split_presence(self, mps: list[MuonParam], group: dist.ProcessGroup, pending: dict[int, WaveState]
                         ) -> list[str]:

@@ -40,14 +40,14 @@ from .checks import check_plan_everywhere, raise_everywhere
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
 from .domain import (
-    Domain, block, describe_expert_param, describe_param, discover_expert_layouts, discover_layouts,
-    domain_gloo_group, local_tensor, mesh_dims, my_coords,
+    Domain, discover_expert_layouts, discover_layouts, domain_gloo_group, local_tensor, mesh_dims, my_coords,
 )
 from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
 from .pipeline import Hyper, TestingSeam, WavePipeline, dp_slot_groups
-from .sorting import adamw_param_groups, conv1d_weights, default_muon_ids, expert_selector, split_table
-from .split import SplitArg, apply_runs, resolve_split
+from .placement import place_params
+from .sorting import adamw_param_groups, conv1d_weights, sort_params, split_table
+from .split import SplitArg
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
 
 __all__ = ["OverlapMuon"]
@@ -190,51 +190,17 @@ class OverlapMuon(torch.optim.Optimizer):
         # ---- sort params ([Note: the default split] in sorting.py); place the Muon matrices in the domain -------
         # Errors are raised on every rank: the mesh/domain's first (it makes every per-param check meaningless),
         # then the params'.
-        default_muon = default_muon_ids(model) if muon_filter is None else set()
+        muon_named, adamw_named, expert_ids, errors = sort_params(model, muon_filter, experts)
         conv1d = conv1d_weights(model)
-        is_expert = expert_selector(experts)
-        muon_named, adamw_named, errors, expert_ids = [], [], [], set()
-        for name, p in model.named_parameters():  # remove_duplicate=True: a tied param appears once
-            expert = is_expert(name, p)
-            pick = muon_filter(name, p) if muon_filter is not None else id(p) in default_muon or expert
-            if expert and not pick:
-                errors.append(f"expert param {name!r} is selected by experts= but not by muon_filter")
-            if not pick:
-                adamw_named.append((name, p))
-            elif p.ndim != (3 if expert and p.ndim == 3 else 2) or torch.is_complex(p):
-                errors.append(f"Muon param {name!r} has shape {tuple(p.shape)} and dtype {p.dtype}; Muon needs a "
-                              "real 2-D matrix (or, for an expert param, a 3-D (E, P, Q) stack of them)")
-            else:
-                muon_named.append((name, p))
-                expert_ids |= {id(p)} if expert else set()
         layouts, mesh_err = discover_layouts(device_mesh, tp_group, remat_group, remat_dim, tp_dim)
         elayouts, emesh_err = discover_expert_layouts(expert_mesh, etp_group, ep_dim, etp_dim)
         raise_everywhere([e for e in (mesh_err, emesh_err) if e])
         R, T, g, t = my_coords(layouts, self._rank)
         _, ET, _, et = my_coords(elayouts, self._rank)
         dims = mesh_dims(device_mesh, remat_dim, tp_dim)[0] if device_mesh is not None else None
-        self._muon, described = [], []  # described: (name, error) per Muon param
-        for n, p in muon_named:
-            if id(p) in expert_ids:
-                mps, err = describe_expert_param(0, n, p, expert_mesh, ET, et, ep_dim, etp_dim)
-            else:
-                mp, err = describe_param(0, n, p, device_mesh, R, T, g, t, dims=dims)
-                mps = [mp] if mp is not None else []
-            self._muon += mps
-            described.append((n, err))
-        for i, mp in enumerate(self._muon):
-            mp.index = i
-        for m in self._muon:
-            m.transposed = id(m.param) in conv1d
-        for mp in self._muon:
-            mp.parts, err = resolve_split(split, mp.name, mp.param, mp.ns_shape)
-            if mp.parts is not None and mp.transposed:
-                err = f"split of Muon param {mp.name!r}: a transposed (Conv1D) weight cannot be split yet"
-            shard = (0, mp.full_shape[0], 0, mp.full_shape[1]) if mp.replicated else block(
-                mp.full_shape, mp.partition_dim, *((1, ET, 0, et) if mp.domain else (R, T, g, t)))
-            mp.runs = apply_runs(mp.parts, mp.ns_shape, (shard[2], shard[3], shard[0], shard[1]) if mp.transposed
-                                 else shard)
-            errors += [err] if err else []
+        self._muon, described = place_params(muon_named, expert_ids, conv1d, split, (device_mesh, dims, R, T, g, t),
+                                             (expert_mesh, ep_dim, etp_dim, ET, et))
+        errors += described
         if isinstance(split, dict):
             unused = [k for k in split if not any(fnmatch.fnmatchcase(m.name, k) for m in self._muon)]
             errors += [f"split patterns {unused} match no Muon param (Muon params: {[m.name for m in self._muon][:8]}"
@@ -250,7 +216,7 @@ class OverlapMuon(torch.optim.Optimizer):
         except ValueError as e:
             errors.append(str(e))
             adamw_groups_ = []
-        raise_everywhere(errors + [err for _, err in described if err])
+        raise_everywhere(errors)
         if self._rank == 0:
             self._log_split(adamw_groups_, all_named)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["HEAD_NAMES", "conv1d_weights", "default_muon_ids", "expert_selector", "adamw_param_groups", "split_table"]
+__all__ = ["HEAD_NAMES", "conv1d_weights", "default_muon_ids", "expert_selector", "sort_params", "adamw_param_groups", "split_table"]
 
 HEAD_NAMES = ("lm_head", "output", "output_layer", "head")
 """Names of a root's ``nn.Linear`` child taken as the output head (HF/nanoGPT, torchtitan, Megatron-Core, timm)."""
@@ -66,6 +66,40 @@ def default_muon_ids(model: nn.Module) -> set[int]:
         if name in HEAD_NAMES and isinstance(child, nn.Linear):
             excluded.add(id(child.weight))
     return mats - excluded
+
+
+def sort_params(
+    model: nn.Module, muon_filter: Callable[[str, Tensor], bool] | None, experts: Any
+) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], set[int], list[str]]:
+    """Sort ``model``'s params into Muon and AdamW ones ([Note: the default split]; ``experts=`` selects expert
+    params, which are Muon params too: ``muon_filter``, when given, must pick them).
+
+    Returns:
+        ``(muon_named, adamw_named, expert_ids, errors)``: ``(name, param)`` lists in registration order (a tied
+        param once), the ``id`` of every expert param, and one message per param that cannot be a Muon param.
+
+    Raises:
+        TypeError: ``experts`` is not a pattern, a list of them or a callable.
+    """
+    default_muon = default_muon_ids(model) if muon_filter is None else set()
+    is_expert = expert_selector(experts)
+    muon_named, adamw_named, errors, expert_ids = [], [], [], set()
+    for name, p in model.named_parameters():  # remove_duplicate=True: a tied param appears once
+        expert = is_expert(name, p)
+        pick = muon_filter(name, p) if muon_filter is not None else id(p) in default_muon or expert
+        if expert and not pick:
+            errors.append(f"expert param {name!r} is selected by experts= but not by muon_filter")
+        if not pick:
+            adamw_named.append((name, p))
+        elif p.ndim != (3 if expert and p.ndim == 3 else 2) or p.is_complex():
+            hint = (" or, for an expert param, a 3-D (E, P, Q) stack of them" if expert else
+                    " (a 3-D (E, P, Q) stack of expert matrices: select it with experts=)" if p.ndim == 3 else "")
+            errors.append(f"Muon param {name!r} has shape {tuple(p.shape)} and dtype {p.dtype}; Muon needs a "
+                          f"real 2-D matrix{hint}")
+        else:
+            muon_named.append((name, p))
+            expert_ids |= {id(p)} if expert else set()
+    return muon_named, adamw_named, expert_ids, errors
 
 
 def expert_selector(experts: Any) -> Callable[[str, Tensor], bool]:

@@ -14,6 +14,14 @@ Optimizers (``--optimizer``):
 - ``torch_muon``: the single-process reference, ``torch.optim.Muon`` on the same matrices and
   ``torch.optim.AdamW`` on the rest with exactly the hyper-parameters ``overlap_muon`` gets.
 
+MoE (``--moe``, or ``--moe-experts E``): every ``--moe-every``-th block's MLP is a top-``--moe-top-k`` mixture
+of ``E`` experts, sharded over all ranks (expert parallelism over the world, expert TP 1; see
+[Note: MoE dispatch] in :mod:`overlap_muon.model`). ``overlap_muon`` orthogonalizes each expert's matrices on
+the rank holding it (``OverlapMuon(..., experts="*.experts.*")``); ``torch_muon`` gives ``torch.optim.Muon``
+every expert matrix as a param of its own (a 2-D copy it steps and writes back); ``adamw`` steps the grouped
+weights like any param. The load-balancing loss (``--moe-aux-loss`` times it) is added to the training
+objective; the reported losses are the cross-entropy alone.
+
 Every step ``s`` uses the global batch of :meth:`ByteData.train_batch` (``--batch`` rows of ``--seq-len``
 bytes); remat rank ``g`` takes rows ``[g*B/R, (g+1)*B/R)`` and splits them into ``--grad-accum`` micro-batches,
 each of whose mean losses is scaled by ``1/grad_accum`` before backward; FSDP averages over the ``R`` ranks.
@@ -48,13 +56,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from overlap_muon.data import ByteData, DataError, load_file, load_stdlib
-from overlap_muon.model import GPT, ModelConfig, muon_params, parallelize
+from overlap_muon.model import (
+    GPT,
+    ModelConfig,
+    expert_params,
+    full_experts,
+    muon_params,
+    parallelize,
+)
 
 __all__ = ["main", "cli", "build_parser"]
 
 _PROG = "overlap-muon-train"
 _OPTIMIZERS = ("overlap_muon", "adamw", "torch_muon")
 _CKPT_DONE = "COMPLETE"
+_MOE_EXPERTS = 4  # --moe without --moe-experts
+_EXPERTS = "*.experts.*"  # the grouped expert weights' names (overlap_muon.model.expert_params), for OverlapMuon
 # Default AdamW learning rates, each the best of {8e-4, 1.5e-3, 3e-3, 6e-3} for the default 2-rank run: for the
 # embeddings, norms and head beside Muon (3e-3 and 6e-3 tie), and for every parameter with --optimizer adamw.
 _ADAMW_LR_WITH_MUON = 3e-3
@@ -74,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "OVERLAP_MUON_FUSED_A2A, OVERLAP_MUON_BATCH_NS, OVERLAP_MUON_SIDE_STREAMS, OVERLAP_MUON_NVTX (1|0), "
         "OVERLAP_MUON_BALANCE=lpt|round_robin, OVERLAP_MUON_WAVE_SLOTS=N, OVERLAP_MUON_PG_TIMEOUT_S=seconds, "
         "OVERLAP_MUON_READINESS_ORDER=reverse|observed, OVERLAP_MUON_SKIP_NONFINITE, OVERLAP_MUON_CHECK_GRAD_PRESENCE, "
-        "OVERLAP_MUON_SYRK (1|0), OVERLAP_MUON_SURPLUS=idle|duplicate|team|auto (see the README).",
+        "OVERLAP_MUON_SYRK (1|0), OVERLAP_MUON_SURPLUS=idle|duplicate, OVERLAP_MUON_DP_SLOTS (1|0) (see the README).",
     )
     a = p.add_argument
     a("--optimizer", choices=_OPTIMIZERS, default="overlap_muon", help="default: %(default)s")
@@ -93,6 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
     a("--qkv", choices=("fused", "separate"), default="fused", help="attention input projections")
     a("--split-qkv", action="store_true",
       help="orthogonalize the fused qkv weight as its Q, K and V parts (overlap_muon.QKVSplit), as with --qkv separate")
+    a("--moe", action="store_true",
+      help=f"top-k MoE MLPs: --moe-experts {_MOE_EXPERTS} unless given, top --moe-top-k, every --moe-every-th block; "
+           "experts sharded over all ranks (EP = world, ETP 1); --optimizer overlap_muon runs each expert's NS where "
+           "it lives, torch_muon steps each expert matrix as its own torch.optim.Muon param, adamw the grouped "
+           "weights")
+    a("--moe-experts", type=int, default=None, metavar="E",
+      help="experts per MoE MLP, a multiple of the world size (0: no MoE; default: 0, or 4 with --moe)")
+    a("--moe-top-k", type=int, default=2, metavar="K", help="experts per token (default: %(default)s)")
+    a("--moe-every", type=int, default=2, metavar="N",
+      help="MoE MLP in every N-th block: blocks N-1, 2N-1, ... (default: %(default)s)")
+    a("--moe-hidden", type=int, default=0, metavar="F",
+      help="each expert's width (default 0: mlp-ratio x d-model / top-k, the dense MLP's FLOPs per token)")
+    a("--moe-aux-loss", type=float, default=0.01, metavar="C",
+      help="weight of the load-balancing loss added to the objective (default: %(default)s; 0: none)")
     a("--lr", type=float, default=0.02, help="Muon learning rate (default: %(default)s)")
     a(
         "--adamw-lr",
@@ -153,6 +184,17 @@ def _check_args(args: argparse.Namespace, world: int) -> ModelConfig:
         raise _ConfigError(f"--stop-at must be in [1, --steps={args.steps}], got {args.stop_at}")
     if args.resume and not args.checkpoint_dir:
         raise _ConfigError("--resume needs --checkpoint-dir DIR (where the checkpoint is)")
+    if args.moe_experts is None:
+        args.moe_experts = _MOE_EXPERTS if args.moe else 0
+    if args.moe_experts < 0 or (args.moe and args.moe_experts == 0):
+        raise _ConfigError(f"--moe-experts must be positive with --moe (>= 0 without), got {args.moe_experts}")
+    if args.moe_experts and args.moe_aux_loss < 0:
+        raise _ConfigError(f"--moe-aux-loss must be >= 0, got {args.moe_aux_loss}")
+    if args.moe_experts and args.max_grad_norm is not None and world > 1:
+        # Expert gradients are plain tensors that differ by rank; the global norm would need their squares summed
+        # over EP, which overlap_muon.clip (DTensors reduced, plain tensors taken as replicas) does not do yet.
+        raise _ConfigError("--max-grad-norm with --moe needs one process for now (the experts' gradients live on "
+                           "different ranks); drop --max-grad-norm or run without torchrun")
     if args.split_qkv and (args.qkv != "fused" or args.optimizer != "overlap_muon"):
         raise _ConfigError("--split-qkv splits the fused qkv weight for --optimizer overlap_muon; it needs --qkv fused")
     if args.adamw_lr is None:
@@ -195,8 +237,11 @@ def _check_args(args: argparse.Namespace, world: int) -> ModelConfig:
             mlp_ratio=args.mlp_ratio,
             seq_len=args.seq_len,
             fused_qkv=args.qkv == "fused",
+            **({"moe_experts": args.moe_experts, "moe_top_k": args.moe_top_k, "moe_every": args.moe_every,
+                "moe_hidden": args.moe_hidden} if args.moe_experts else {}),
         )
         cfg.check_tp(args.tp)
+        cfg.check_ep(world)
     except ValueError as e:
         raise _ConfigError(str(e)) from e
     return cfg
@@ -237,13 +282,22 @@ def _muon_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 class _TorchMuonPair:
     """``torch.optim.Muon`` on the Muon matrices + ``torch.optim.AdamW`` on the rest, behind one optimizer-like
-    face (``step``, ``zero_grad``, ``param_groups`` tagged with ``"algorithm"``, state dicts)."""
+    face (``step``, ``zero_grad``, ``param_groups`` tagged with ``"algorithm"``, state dicts).
+
+    MoE: ``torch.optim.Muon`` takes 2-D params only, so each expert matrix ``p[e]`` of a grouped ``(E, P, Q)``
+    weight gets a 2-D copy of its own (a leaf param of the Muon group, after the dense matrices): ``step`` copies
+    ``p[e]`` and its gradient in, steps, and writes the result back. That is ``torch.optim.Muon`` on every expert
+    matrix as its own param, the reference for ``OverlapMuon(..., experts=...)``.
+    """
 
     def __init__(self, model: GPT, args: argparse.Namespace) -> None:
         mats = muon_params(model)
-        ids = {id(p) for p in mats}
+        self.experts = list(expert_params(model).values())
+        self.shadows = [(p, e, torch.nn.Parameter(p.detach()[e].clone())) for p in self.experts
+                        for e in range(p.shape[0])]
+        ids = {id(p) for p in mats + self.experts}
         rest = [p for p in model.parameters() if id(p) not in ids]
-        self.muon = torch.optim.Muon(mats, **_muon_kwargs(args))
+        self.muon = torch.optim.Muon(mats + [s for _, _, s in self.shadows], **_muon_kwargs(args))
         self.adamw = torch.optim.AdamW(rest, **_adamw_kwargs(args))
         for g in self.muon.param_groups:
             g["algorithm"] = "muon"
@@ -255,12 +309,24 @@ class _TorchMuonPair:
         return self.muon.param_groups + self.adamw.param_groups
 
     def step(self) -> None:
+        with torch.no_grad():
+            for p, e, s in self.shadows:
+                s.copy_(p[e])
+                s.grad = None if p.grad is None else p.grad[e]
         self.muon.step()
         self.adamw.step()
+        with torch.no_grad():
+            for p, e, s in self.shadows:
+                p[e].copy_(s)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.muon.zero_grad(set_to_none)
         self.adamw.zero_grad(set_to_none)
+        for p in self.experts:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
     def state_dict(self) -> dict:
         return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
@@ -287,8 +353,11 @@ def _build_optimizer(args: argparse.Namespace, model: GPT, mesh):
         # model.py stores the fused rows head by head, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: the grouped layout, g = h
         h = model.cfg.n_heads
         split = {"blocks.*.attn.qkv.weight": QKVSplit(h, h, model.cfg.d_model // h, layout="grouped")}
+    # MoE: each rank's experts are its own (EP over the world, ETP 1), so no expert mesh or group: their NS runs
+    # where they live.
+    moe = {"experts": _EXPERTS} if model.cfg.moe_experts else {}
     return OverlapMuon(model, **_muon_kwargs(args), adamw_kwargs=_adamw_kwargs(args), device_mesh=mesh,
-                       max_grad_norm=args.max_grad_norm, split=split)
+                       max_grad_norm=args.max_grad_norm, split=split, **moe)
 
 
 def _sync(opt) -> None:
@@ -337,15 +406,17 @@ def _set_lr(opt, step: int, args: argparse.Namespace) -> float:
 def _checksum(model: GPT) -> tuple[float, str]:
     """(sum of every parameter's full tensor in float64, sha256 of the names and full float32 bytes, 16 hex).
 
-    Collective when parameters are DTensors (``full_tensor``): every rank must call it.
+    Collective when parameters are DTensors (``full_tensor``) or MoE experts (all ``E`` gathered): every rank must
+    call it.
     """
     from torch.distributed.tensor import DTensor
 
     total = 0.0
     h = hashlib.sha256()
+    experts = {id(p) for p in expert_params(model).values()}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p
+            full = p.full_tensor() if isinstance(p, DTensor) else full_experts(model, p) if id(p) in experts else p
             full = full.detach().cpu().contiguous()
             total += float(full.double().sum())
             h.update(name.encode())
@@ -400,7 +471,13 @@ def _fingerprint(args: argparse.Namespace, cfg: ModelConfig) -> dict:
     """What must match between a checkpoint and the run resuming it for its state to load: the model and the
     layout of every shard. (The resume continues bit-identically when the other flags match too.)"""
     keys = ("optimizer", "tp", "remat")
-    return {"model": asdict(cfg), **{k: getattr(args, k) for k in keys}}
+    return {"model": _cfg_dict(cfg), **{k: getattr(args, k) for k in keys}}
+
+
+def _cfg_dict(cfg: ModelConfig) -> dict:
+    """``asdict(cfg)`` without the MoE fields when MoE is off (a dense run's log line and checkpoint fingerprint
+    stay what they were before MoE existed)."""
+    return {k: v for k, v in asdict(cfg).items() if cfg.moe_experts or not k.startswith("moe_")}
 
 
 @contextlib.contextmanager
@@ -416,7 +493,8 @@ def _save_checkpoint(root, step, model, opt, extra, rank, world, fingerprint) ->
 
     The optimizer's own ``state_dict()`` is saved per rank rather than resharded through DCP: a resume into the
     same layout is then bit-identical by construction, whatever the optimizer keeps (the fingerprint refuses
-    any other layout). A ``COMPLETE`` marker, written last by rank 0 after a barrier, makes a half-written
+    any other layout). So are the MoE experts (plain tensors that differ by rank, which DCP would take for
+    replicas and save once). A ``COMPLETE`` marker, written last by rank 0 after a barrier, makes a half-written
     checkpoint invisible to ``--resume``.
     """
     import torch.distributed.checkpoint as dcp
@@ -425,8 +503,12 @@ def _save_checkpoint(root, step, model, opt, extra, rank, world, fingerprint) ->
     path = os.path.join(root, f"step_{step:07d}")
     os.makedirs(path, exist_ok=True)
     _sync(opt)
+    msd = get_model_state_dict(model)
+    experts = {k: msd.pop(k) for k in expert_params(model)}
     with _quiet_single_process_dcp():
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(path, "model"), no_dist=world == 1)
+        dcp.save({"model": msd}, checkpoint_id=os.path.join(path, "model"), no_dist=world == 1)
+    if experts:
+        torch.save(experts, os.path.join(path, f"experts.rank{rank}.pt"))
     state = {"step": step, "fingerprint": fingerprint, "rng_cpu": torch.get_rng_state(), **extra}
     if torch.cuda.is_available():
         state["rng_cuda"] = torch.cuda.get_rng_state_all()
@@ -478,11 +560,16 @@ def _load_checkpoint(state: dict, model: GPT, opt) -> None:
 
     path = state["path"]
     msd = {"model": get_model_state_dict(model)}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    names = list(expert_params(model))
+    for k in names:
+        del msd["model"][k]
     single = not dist.is_initialized() or dist.get_world_size() == 1
     with _quiet_single_process_dcp():
         dcp.load(msd, checkpoint_id=os.path.join(path, "model"), no_dist=single)
+    if names:
+        msd["model"].update(torch.load(os.path.join(path, f"experts.rank{rank}.pt"), weights_only=True))
     set_model_state_dict(model, msd["model"])
-    rank = dist.get_rank() if dist.is_initialized() else 0
     opt.load_state_dict(torch.load(os.path.join(path, f"optim.rank{rank}.pt"), weights_only=False))
     torch.set_rng_state(state["rng_cpu"])
     if "rng_cuda" in state and torch.cuda.is_available():
@@ -551,16 +638,24 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
             lrs = f"lr {args.lr:g}, {lrs}"
         print(
             f"{_PROG}: {data.source}: {data.train.numel()} train / {data.val.numel()} val bytes, unigram entropy "
-            f"{unigram:.3f} bits/byte | model {n_params / 1e6:.2f} M params {asdict(cfg)} | world {world} = remat "
+            f"{unigram:.3f} bits/byte | model {n_params / 1e6:.2f} M params {_cfg_dict(cfg)} | world {world} = remat "
             f"{args.remat} x tp {args.tp} on {device.type} | {args.optimizer} {lrs}",
             flush=True,
         )
+        if cfg.moe_experts:
+            e, w = cfg.moe_experts, world
+            print(
+                f"{_PROG}: MoE in blocks {cfg.moe_layers()}: {e} experts of width {cfg.expert_hidden}, top "
+                f"{cfg.moe_top_k}, {e // w} per rank (EP {w}, ETP 1), load-balancing loss x {args.moe_aux_loss:g}",
+                flush=True,
+            )
         describe = getattr(getattr(opt, "config", None), "describe", None)
         if describe is not None:
             print(f"{_PROG}: {describe()}", flush=True)
 
     mb = args.batch // (args.remat * args.grad_accum)
     tokens_per_step = args.batch * args.seq_len
+    aux_coef = args.moe_aux_loss if cfg.moe_experts else 0.0
     prof = _profiler(args, rank, device) if args.profile else None
     bar = tqdm(total=stop, initial=start, disable=not log, dynamic_ncols=True, desc="train", file=sys.stderr)
     train_time, eval_time = 0.0, 0.0
@@ -578,8 +673,9 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
                 model.set_requires_gradient_sync(last)
             with torch.profiler.record_function("## forward ##"):
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                objective = loss + aux_coef * model.moe_aux_loss() if aux_coef else loss
             with torch.profiler.record_function("## backward ##"), _accumulating(opt, not last):
-                (loss / args.grad_accum if args.grad_accum > 1 else loss).backward()
+                (objective / args.grad_accum if args.grad_accum > 1 else objective).backward()
             loss_sum += loss.detach().double()
         with torch.profiler.record_function("## optimizer ##"):
             if args.max_grad_norm is not None and args.optimizer != "overlap_muon":

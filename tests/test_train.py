@@ -207,6 +207,7 @@ def test_bad_input_one_line_error_on_every_rank(tmp_path):
         "empty": (["--data", str(empty)], ["is empty", "--data"]),
         "tp": (["--tp", "3"], ["--tp 3 does not divide the world size 2"]),
         "heads": (["--d-model", "30", "--n-heads", "4"], ["d_model=30", "--d-model", "--n-heads"]),
+        "moe": (["--moe-experts", "3"], ["moe_experts=3", "world size 2", "--moe-experts"]),
     }
     procs = {name: [_launch_rank(r, 2, argv) for r in range(2)] for name, (argv, _) in cases.items()}
     for name, (_, expect) in cases.items():
@@ -270,3 +271,119 @@ def test_split_qkv_runs_and_is_exact_across_modes(tmp_path):
     runs = run_ranks(_run_configs, 2, configs, timeout=120)[0]
     assert _figures(runs[0]) == _figures(runs[1]) == _figures(runs[2])
     assert _figures(runs[0]) != _figures(runs[3])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MoE (--moe): experts sharded over every rank, routed with [Note: MoE dispatch] in overlap_muon/model.py
+
+#: The tiny model with one MoE block (block 1 of 2): 4 experts of width 64, top 2.
+MOE = ["--moe"]
+
+
+def _moe_grads(rank: int, world: int, tp: int, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """One forward/backward of the tiny MoE model laid out on a ``(world / tp, tp)`` mesh, remat rank ``g`` on
+    its rows of ``(x, y)``: every parameter's full gradient (DTensors gathered, experts gathered over EP) and the
+    local expert shapes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from overlap_muon.model import (
+        GPT,
+        ModelConfig,
+        expert_params,
+        full_experts,
+        parallelize,
+    )
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, moe_experts=4))
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("remat", "tp"))
+    parallelize(model, mesh)
+    g, rows = mesh.get_coordinate()[0], x.shape[0] // (world // tp)
+    xs, ys = x[g * rows : (g + 1) * rows], y[g * rows : (g + 1) * rows]
+    torch.nn.functional.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
+    experts = expert_params(model)
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else (
+            full_experts(model, grad) if name in experts else grad)
+    return {"grads": grads, "expert_shapes": {n: tuple(p.shape) for n, p in experts.items()}}
+
+
+def test_moe_gradients_match_one_process():
+    """``--moe``'s layer on 2 ranks (TP 2, and FSDP over remat 2) and on 4 (2 x 2): each rank holds ``E / W``
+    experts, and every gradient (experts, router, the dense params around them) equals the one-process gradient
+    of the whole batch's mean loss, up to float rounding: no TP duplicate counted twice, expert gradients averaged
+    over the remat indices as FSDP averages the dense ones."""
+    from overlap_muon.model import GPT, ModelConfig
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (4, 16), generator=gen)
+    y = torch.randint(0, 256, (4, 16), generator=gen)
+    torch.manual_seed(0)
+    ref_model = GPT(ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, moe_experts=4))
+    torch.nn.functional.cross_entropy(ref_model(x).flatten(0, 1), y.flatten()).backward()
+    ref = {n: p.grad for n, p in ref_model.named_parameters()}
+    assert ref["blocks.1.mlp.experts.w_in"].shape == (4, 64, 32)
+    assert "blocks.0.mlp.fc1.weight" in ref and "blocks.1.mlp.router.weight" in ref
+
+    runs = {(2, 2): run_ranks(_moe_grads, 2, 2, x, y, timeout=120),
+            (2, 1): run_ranks(_moe_grads, 2, 1, x, y, timeout=120),
+            (4, 2): run_ranks(_moe_grads, 4, 2, x, y, timeout=120)}
+    for (world, tp), res in runs.items():
+        for r in range(world):
+            assert res[r]["expert_shapes"] == {"blocks.1.mlp.experts.w_in": (4 // world, 64, 32),
+                                               "blocks.1.mlp.experts.w_out": (4 // world, 32, 64)}
+            grads = res[r]["grads"]
+            assert grads.keys() == ref.keys()
+            for n, want in ref.items():
+                err = float((grads[n] - want).abs().max() / want.abs().max())
+                assert err < 1e-4, f"world {world}, tp {tp}, rank {r}: {n} differs from one process by {err:.2e}"
+
+
+def test_moe_adamw_runs_matches_one_process_and_resumes(tmp_path):
+    """``--moe --optimizer adamw``: the loss is finite and falls; TP 2 and FSDP over remat 2 give every rank the
+    same figures and the one-process loss curve (with ``--grad-accum 2``: the same global batch) within the bound
+    the dense TP runs meet; a run stopped at step 3 and resumed from its checkpoint (experts saved per rank) ends
+    bit-identical to the uninterrupted one."""
+    data = _text_file(tmp_path)
+    base = TINY + MOE + ["--data", data, "--optimizer", "adamw", "--adamw-lr", "3e-3"]
+    ckpt = str(tmp_path / "ckpt")
+    configs = [({}, base + ["--tp", "2"]), ({}, base + ["--tp", "1"]),
+               ({}, base + ["--tp", "1", "--eval-every", "2", "--checkpoint-dir", ckpt, "--stop-at", "3"]),
+               ({}, base + ["--tp", "1", "--eval-every", "2", "--checkpoint-dir", ckpt, "--resume"]),
+               ({}, base + ["--tp", "1", "--eval-every", "2"])]
+    res = run_ranks(_run_configs, 2, configs, timeout=120)
+    assert [_figures(s) for s in res[0]] == [_figures(s) for s in res[1]]
+    tp2, fsdp, part, resumed, full = res[0]
+    ref = _single_process(base + ["--grad-accum", "2"])
+    for s in (tp2, fsdp, ref):
+        losses = s["losses"]
+        assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+        assert losses[-1] < losses[0] - 0.2, losses
+    assert max(abs(a - b) for a, b in zip(tp2["losses"], ref["losses"])) < 1e-2
+    assert max(abs(a - b) for a, b in zip(fsdp["losses"], ref["losses"])) < 1e-2
+    assert part["step"] == 3 and resumed["losses"][:3] == part["losses"]
+    assert _figures(resumed) == _figures(full) and resumed["val_history"] == full["val_history"]
+
+
+def test_moe_overlap_muon_matches_torch_muon(tmp_path):
+    """``--moe --optimizer overlap_muon`` (``OverlapMuon(..., experts="*.experts.*")``: each expert matrix's NS on
+    the rank holding it): in one process bit for bit ``torch.optim.Muon`` on every expert matrix as its own param
+    (``--optimizer torch_muon``); on 2 ranks (TP 2, FSDP over remat 2) overlap on and off are bitwise equal, and
+    the loss curve is the one-process reference's within the bound the dense TP runs meet."""
+    data = _text_file(tmp_path)
+    base = TINY + MOE + ["--data", data]
+    configs = [({}, base + ["--tp", "2"]), ({"OVERLAP_MUON_OVERLAP": "0"}, base + ["--tp", "2"]),
+               ({}, base + ["--tp", "1"]), ({"OVERLAP_MUON_OVERLAP": "0"}, base + ["--tp", "1"])]
+    res = run_ranks(_run_configs, 2, configs, timeout=120)
+    assert [_figures(s) for s in res[0]] == [_figures(s) for s in res[1]]
+    tp2, tp2_sync, fsdp, fsdp_sync = res[0]
+    assert _figures(tp2) == _figures(tp2_sync) and _figures(fsdp) == _figures(fsdp_sync)
+    ref = _single_process(base + ["--optimizer", "torch_muon", "--grad-accum", "2"])
+    one = _single_process(base + ["--grad-accum", "2"])
+    assert _figures(one) == _figures(ref), "one process: OverlapMuon's experts differ from torch.optim.Muon's"
+    assert all(math.isfinite(v) for v in ref["losses"]) and ref["losses"][-1] < ref["losses"][0] - 0.2
+    assert max(abs(a - b) for a, b in zip(tp2["losses"], ref["losses"])) < 1e-2
+    assert max(abs(a - b) for a, b in zip(fsdp["losses"], ref["losses"])) < 1e-2

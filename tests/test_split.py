@@ -114,3 +114,48 @@ def test_split_sharded_bitwise(R, T):
     for res in run_ranks(_grid_body, R * T, R, T, timeout=150):
         bad = [k for k, ok in res.items() if not ok]
         assert not bad, bad
+
+
+def _fsdp_body(rank, world, R, T):
+    """A fused qkv / gate-up ``nn.Linear`` column-parallel over ``tp`` (ColwiseParallel) and FSDP2-sharded over
+    ``remat`` (fully_shard), split into its parts, sync and overlap."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from tests.models import set_grad
+
+    out = {}
+    for name in ("gqa_grouped", "mha_grouped", "gate_up"):
+        spec, shape = SPECS[name]
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            w0 = torch.randn(shape)
+            mesh = init_device_mesh("cpu", (R, T), mesh_dim_names=("remat", "tp"))
+            net = nn.Module()
+            net.lin = nn.Linear(shape[1], shape[0], bias=False)
+            with torch.no_grad():
+                net.lin.weight.copy_(w0)
+            parallelize_module(net, mesh["tp"], {"lin": ColwiseParallel()})
+            fully_shard(net, mesh=mesh["remat"])
+            opt = OverlapMuon(net, device_mesh=mesh, split={"lin.weight": spec}, overlap=overlap, **HP)
+            grads = _full_grads(shape, 3)
+            g, t = divmod(rank, T)
+            for gr in grads:
+                set_grad(net.lin.weight, gr, 0, R, T, g, t)
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            out[(name, overlap)] = torch.equal(net.lin.weight.full_tensor(), _reference(w0, spec, grads))
+            opt.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("R,T", [(2, 1), (2, 2)])
+def test_split_fsdp2_tp_dtensor_bitwise(R, T):
+    """FSDP2 remat 2 (and TP 2): DTensor weights ``(_StridedShard(0), Shard(0))``, split parts bitwise
+    torch.optim.Muon on each part."""
+    for res in run_ranks(_fsdp_body, R * T, R, T, timeout=200):
+        bad = [k for k, ok in res.items() if not ok]
+        assert not bad, bad

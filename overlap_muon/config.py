@@ -71,11 +71,14 @@ class OverlapMuonConfig:
     syrk: bool = _opt(False, "OVERLAP_MUON_SYRK", kind=bool)
     """NS computes ``X Xᵀ`` and ``A @ A`` as symmetric block products (fewer FLOPs; not bitwise on this CPU, see
     ``overlap_muon.ns`` [Note: symmetric Gram]), off by default."""
-    surplus: str = _opt("idle", "OVERLAP_MUON_SURPLUS", choices=("idle", "duplicate"))
-    """What the homes a wave leaves without a matrix do (``scheduler.surplus``): ``idle``, or ``duplicate``: a wave
+    surplus: str = _opt("idle", "OVERLAP_MUON_SURPLUS", choices=("idle", "duplicate", "team"))
+    """What the homes a wave leaves without a matrix do (``scheduler.surplus``): ``idle``; ``duplicate``: a wave
     whose surplus plan gives every matrix every rank of the domain is gathered to all of them, each runs the NS
-    and keeps its own block, and nothing is scattered back (bitwise the single-home result). ``team`` and ``auto``
-    are planned and simulated but not wired ([Note: runtime wiring] in ``scheduler/surplus.py``)."""
+    and keeps its own block, and nothing is scattered back (bitwise the single-home result); ``team``: such a
+    dense-domain wave is gathered likewise and the domain splits each matrix's NS by rows
+    (``overlap_muon.team_ns``: ``1/S`` of the FLOPs each, ``2 * ns_steps + 1`` all-gathers; NOT bitwise, see there).
+    Plans giving a matrix some of the ranks, and ``auto``, are simulated only ([Note: runtime wiring] in
+    ``scheduler/surplus.py``)."""
     dp_slots: bool = _opt(False, "OVERLAP_MUON_DP_SLOTS", kind=bool)
     """With replicate dims on the mesh (HSDP), the replicas of the dense domain share its NS work instead of each
     running all of it; results are swapped over the DP groups ([Note: DP replicas as NS slots] in

@@ -30,7 +30,7 @@ except Exception:  # pragma: no cover
 
 __all__ = [
     "Domain", "MuonParam", "chunk_sizes", "chunk_offsets", "block", "block_shape", "local_tensor", "discover_layouts",
-    "describe_param", "mesh_dims", "discover_expert_layouts", "describe_expert_param", "domain_gloo_group",
+    "describe_param", "mesh_dims", "discover_expert_layouts", "describe_expert_param", "domain_group",
 ]
 
 
@@ -506,9 +506,10 @@ def discover_expert_layouts(
     return [[[r]] for r in range(dist.get_world_size())], None
 
 
-def domain_gloo_group(layouts: list[list[list[int]]] | None, timeout: datetime.timedelta | None = None
-                      ) -> ProcessGroup | None:
-    """A new gloo group over this rank's domain of ``layouts`` (``None`` for a one-rank domain or one process).
+def domain_group(layouts: list[list[list[int]]] | None, timeout: datetime.timedelta | None = None,
+                 backend: str | None = "gloo") -> ProcessGroup | None:
+    """A new group over this rank's domain of ``layouts`` (``None`` for a one-rank domain or one process), on
+    ``backend`` (gloo by default, for host-side flags; ``None``: the job's backend).
 
     Collective over the default group: every rank creates every domain's group, in one order."""
     if not layouts or not (dist.is_available() and dist.is_initialized()):
@@ -518,7 +519,7 @@ def domain_gloo_group(layouts: list[list[list[int]]] | None, timeout: datetime.t
     for lay in layouts:
         ranks = [r for row in lay for r in row]
         if len(ranks) > 1:
-            group = dist.new_group(ranks=ranks, backend="gloo", **kw)
+            group = dist.new_group(ranks=ranks, backend=backend, **kw)
             mine = group if me in ranks else mine
     return mine
 

@@ -33,14 +33,14 @@ from hooks import (
     compile_boundary, register_forward_waits, weak_callback,
 )
 from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
-from scheduler.surplus import duplicated_everywhere
+from scheduler.surplus import CPU_GLOO, on_every_rank
 from scheduler.waves import Wave
 
 from .checks import check_plan_everywhere, raise_everywhere
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
 from .domain import (
-    Domain, discover_expert_layouts, discover_layouts, domain_gloo_group, local_tensor, mesh_dims, my_coords,
+    Domain, discover_expert_layouts, discover_layouts, domain_group, local_tensor, mesh_dims, my_coords,
 )
 from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
@@ -232,6 +232,8 @@ class OverlapMuon(torch.optim.Optimizer):
         experts_on = bool(expert_ids) and elayouts is not None and dist.get_world_size() > 1
         # step()'s agreement, over every rank of the job
         ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed or experts_on else None
+        # surplus="team": the compute lane's own group over the dense domain (the exchange lanes have theirs)
+        team = domain_group(layouts, timeout, backend=None) if distributed and self.config.surplus == "team" else None
         dp = None
         if distributed and len(layouts) > 1 and self.config.dp_slots and self.config.mode == "layer_sharded":
             dp, wide = dp_slot_groups(layouts, self._rank, timeout)
@@ -240,7 +242,7 @@ class OverlapMuon(torch.optim.Optimizer):
         if experts_on:
             self.expert_domain = Domain.from_all_layouts(elayouts, timeout=timeout)
             edoms = (self.expert_domain, Domain.from_all_layouts(elayouts, timeout=timeout, with_ctrl=False),
-                     domain_gloo_group(elayouts, timeout))
+                     domain_group(elayouts, timeout))
 
         # ---- optimizer plumbing: one Muon group, then the inner AdamW's groups --------------------------------
         self._adamw = torch.optim.AdamW(adamw_groups_, **(adamw_kwargs or {})) if adamw_groups_ else None
@@ -264,7 +266,7 @@ class OverlapMuon(torch.optim.Optimizer):
         ``skipped_steps``."""
         device = local_tensor(self._muon[0].param).device if self._muon else torch.device("cpu")
         self._pipeline = WavePipeline(self._muon, self.state, dom_to, dom_from, self.config, device, self.stats,
-                                      ctrl, self._testing, expert_doms=edoms, dp_slots=dp)
+                                      ctrl, self._testing, expert_doms=edoms, dp_slots=dp, team_group=team)
         # A grouped expert weight is several Muon matrices: hooks and waits see the param once, under its first
         # index (``_first``), and stand for all of its matrices (``_siblings``).
         self._first: dict[int, int] = {}
@@ -358,9 +360,13 @@ class OverlapMuon(torch.optim.Optimizer):
 
         self._waves: list[Wave] = plan_by_domain(order, [m.domain for m in self._muon], one)
         self._pipeline.reset_plans()
-        if cfg.surplus == "duplicate" and cfg.mode == "layer_sharded" and self._pipeline.dp is None:
-            self._pipeline.gathered |= duplicated_everywhere(
-                self._waves, [m.full_shape for m in self._muon], [self.domain.size, self.expert_domain.size])
+        if cfg.surplus != "idle" and cfg.mode == "layer_sharded" and self._pipeline.dp is None:
+            # the team NS runs on the dense domain's own team group; expert waves are duplicated at most
+            sizes = [self.domain.size, 1 if cfg.surplus == "team" else self.expert_domain.size]
+            model = None if self._pipeline.lanes.cuda else CPU_GLOO
+            waves = on_every_rank(self._waves, [m.full_shape for m in self._muon], sizes, cfg.surplus, model)
+            self._pipeline.gathered |= waves
+            self._pipeline.teamed |= waves if cfg.surplus == "team" else set()
         self._wave_of = {i: w.index for w in self._waves for i in w.params}
         self._dispatcher = WaveDispatcher(self._waves, self._launch)
 

@@ -65,6 +65,7 @@ from .muon_math import apply_update, momentum_update, momentum_update_, ns_input
 from .ns import zeropower
 from .profiling import prof_range, wave_range_name
 from .split import split_ns
+from .team_ns import team_zeropower_full
 
 __all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam", "DPSlots", "dp_slot_groups"]
 
@@ -213,6 +214,8 @@ class WavePipeline:
         testing: the private :class:`TestingSeam`.
         dp_slots: the data-parallel replicas of the dense domain share its NS work ([Note: DP replicas as NS
             slots]); ``None``: each replica runs all of it.
+        team_group: a group over this rank's dense domain for team NS (``surplus="team"``), used by the compute
+            lane only.
         expert_doms: ``(dom_to, dom_from, ctrl_group)`` of this rank's expert domain, the routes of the waves with
             ``wave.domain == 1`` ([Note: two domains] in ``domain.py``); ``ctrl_group`` is a gloo group over that
             domain for ``commit``'s agreement on expert gradients. ``None``: expert matrices (if any) are this
@@ -232,6 +235,7 @@ class WavePipeline:
         testing: TestingSeam,
         expert_doms: tuple[Domain, Domain, dist.ProcessGroup | None] | None = None,
         dp_slots: DPSlots | None = None,
+        team_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.muon = list(muon)
         self.state = state
@@ -240,6 +244,7 @@ class WavePipeline:
         self._doms = [(dom_to, dom_from), expert_doms[:2] if expert_doms else (single, single)]
         self._expert_ctrl = expert_doms[2] if expert_doms else None
         self.dp = dp_slots
+        self.team_group = team_group
         self.config = config
         self.stats = stats
         self.ctrl_group = ctrl_group
@@ -253,7 +258,10 @@ class WavePipeline:
         self._route_plans: dict[Any, dict] = {}
         self.gathered: set[int] = set()
         """Waves run as in ``duplicated`` mode (every rank gathers and NS's every matrix, nothing is scattered):
-        all of them in that mode, else those the surplus plan duplicates on every rank (``surplus="duplicate"``)."""
+        all of them in that mode, else those the surplus plan gives every rank (``surplus="duplicate"|"team"``)."""
+        self.teamed: set[int] = set()
+        """Of :attr:`gathered`, the waves whose NS the domain splits by rows (``surplus="team"``, on
+        ``team_group``: ``overlap_muon.team_ns``, not bitwise)."""
         self._pending: dict[int, WaveState] = {}  # launched, not yet committed, by wave index
         self._agreed = False  # this (synchronous) step's gradient presence is agreed: waves skip their checks
         self._applied: dict[int, WaveState] = {}  # committed, apply not yet waited for
@@ -368,8 +376,8 @@ class WavePipeline:
             # the result is transposed back to the stored layout. Bitwise by construction (no op sees other values or
             # strides than the reference's); the lr ratio uses MuonParam.ns_shape, the (out, in) shape.
             mats = [f.T.contiguous() if m.transposed else f for f, m in zip(st.fulls, homed)]
-            outs = split_ns(mats, [m.parts for m in homed],
-                            lambda ms: wrap(self._ns_many, ms, kw) if wrap else self._ns_many(ms, kw))
+            ns = self._team_ns if st.wave.index in self.teamed else self._ns_many
+            outs = split_ns(mats, [m.parts for m in homed], lambda ms: wrap(ns, ms, kw) if wrap else ns(ms, kw))
             st.outs = [o.T.contiguous() if m.transposed else o for o, m in zip(outs, homed)]
         if self._eager_release:
             st.fulls = None
@@ -453,6 +461,14 @@ class WavePipeline:
 
     def _gathers(self, wave: Wave) -> bool:
         return self.config.mode == "duplicated" or wave.index in self.gathered
+
+    def _team_ns(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
+        """NS of each (full, gathered) matrix split by rows over the domain (``surplus="team"``); every rank gets
+        the whole result. Collective over ``team_group``, in the same order on every rank."""
+        self.stats["ns_matrices"] += len(mats)
+        self.stats["ns_calls"] += len(mats)
+        kw = {k: v for k, v in kw.items() if k != "syrk"}
+        return [team_zeropower_full(m, self.team_group, **kw) for m in mats]
 
     def _ns_many(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
         """NS of each matrix; same-shape matrices batched (no flattening across matrices)."""
@@ -756,6 +772,7 @@ class WavePipeline:
         """The wave plan changed: route plans are per (wave, params), drop them."""
         self._route_plans.clear()
         self.gathered.clear()
+        self.teamed.clear()
 
     def close(self) -> None:
         """Stop the lane threads once their queued tasks are done (does not wait for them)."""

@@ -72,7 +72,7 @@ from .chunks import chunk_sizes
 from .cost import _check_shape, ns_flops
 from .homes import _check_num_ranks
 
-__all__ = ["POLICIES", "duplicated_everywhere", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
+__all__ = ["POLICIES", "CPU_GLOO", "on_every_rank", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
            "team_row_counts", "serving_homes"]
 
 #: The surplus policies, in the order ``auto`` prefers them on a tie.
@@ -132,6 +132,14 @@ class SurplusCostModel:
             isinstance(self.max_team, bool) or not isinstance(self.max_team, int) or self.max_team < 1
         ):
             raise ValueError(f"SurplusCostModel.max_team must be an int >= 1 or None, got {self.max_team!r}")
+
+
+#: A CPU rank on gloo over loopback: the NS rate one rank of this project's test machine measured (Intel Xeon with
+#: AMX bf16, one thread: NS of 512x2048 in 25.4 ms, ``overlap-muon-bench --cases surplus --quick``, i.e.
+#: ``ns_flops / 25.4 ms``), gloo's per-collective cost and loopback bandwidth as order-of-magnitude figures, one
+#: "node". The runtime plans CPU jobs with it, CUDA jobs with the H200-class defaults.
+CPU_GLOO = SurplusCostModel(ns_flops_per_s=4.8e11, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9,
+                            ranks_per_node=1 << 20, latency_s=3e-4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,26 +477,28 @@ def plan_surplus(
     return best
 
 
-def duplicated_everywhere(
-    waves: Sequence, shapes: Sequence[tuple[int, int]], domain_sizes: Sequence[int],
+def on_every_rank(
+    waves: Sequence, shapes: Sequence[tuple[int, int]], domain_sizes: Sequence[int], policy: str = "duplicate",
     cost_model: SurplusCostModel | None = None,
 ) -> set[int]:
-    """Indices of the waves whose ``duplicate`` plan gives every matrix every rank of its domain: the runtime's
-    ``surplus="duplicate"`` runs exactly those as gathers (each rank NS's every matrix of the wave and keeps its own
-    block; nothing goes back). A wave that fills its domain has no surplus and stays single-homed; partial
-    duplication (``k`` of ``S`` ranks) is planned here but not run ([Note: runtime wiring]).
+    """Indices of the waves whose ``policy`` plan (``"duplicate"`` or ``"team"``) gives every matrix of the wave
+    every rank of its domain, as that kind: the runtime's ``surplus=`` option runs exactly those (every rank
+    gathers the wave's matrices; ``duplicate``: each runs the whole NS, ``team``: the domain splits each NS by
+    rows, ``overlap_muon.team_ns``; then each keeps its own block, nothing goes back). A wave that fills its domain
+    has no surplus and stays single-homed; plans that give a matrix ``k`` of ``S`` ranks are not run
+    ([Note: runtime wiring]).
 
     Args:
         waves: ``scheduler.Wave`` s (``params``, ``homes``, ``domain``).
         shapes: full ``(P, Q)`` per param index.
-        domain_sizes: ranks per domain, indexed by ``Wave.domain``.
+        domain_sizes: ranks per domain, indexed by ``Wave.domain`` (a size below 2 leaves that domain's waves out).
     """
     out = set()
     for w in waves:
         size = domain_sizes[w.domain]
         if size < 2 or len(w.params) >= size:
             continue
-        plan = plan_surplus(w.params, w.homes, {i: shapes[i] for i in w.params}, size, "duplicate", cost_model)
-        if all(a.kind == "duplicate" and len(a.ranks) == size for a in plan.assignments.values()):
+        plan = plan_surplus(w.params, w.homes, {i: shapes[i] for i in w.params}, size, policy, cost_model)
+        if all(a.kind == policy and len(a.ranks) == size for a in plan.assignments.values()):
             out.add(w.index)
     return out

@@ -44,7 +44,12 @@ stops (nothing else can shorten the wave). Matrices of equal cost thus share the
 taken in a fixed preference order: for a team, same node as the home first; for duplicates, nodes without a home
 of the matrix first; then by rank. Everything is deterministic, so every rank computes the same plan.
 
-[Note: runtime wiring] How the wave pipeline is meant to act on a plan (not wired yet):
+[Note: runtime wiring] What the runtime runs today (``OVERLAP_MUON_SURPLUS``): at planning, :func:`on_every_rank`
+picks the waves whose plan gives every matrix every rank of its domain; those run as gathers (every rank receives
+every matrix of the wave, ``all_gather``), ``duplicate`` then runs each NS on every rank and ``team`` splits each
+over the domain (``overlap_muon.team_ns.team_zeropower_full`` on a group of the compute lane), and every rank keeps
+its own block: no exchange back. The general plan (``k`` of ``S`` ranks per matrix) is not run yet; the steps
+below say how the wave pipeline is meant to act on it:
 
 1. Per wave, on every rank: ``plan = plan_surplus(wave.params, wave.homes, full_shapes, S, config.surplus,
    cost_model, busy_s=...)`` (``busy_s``: e.g. the previous wave's per-home NS seconds from

@@ -14,7 +14,7 @@ from scheduler.waves import Wave
 from .config import OverlapMuonConfig
 from .domain import MuonParam
 
-__all__ = ["raise_everywhere", "check_plan_everywhere"]
+__all__ = ["raise_everywhere", "check_plan_everywhere", "differs_across_ranks"]
 
 
 def raise_everywhere(errors: list[str]) -> None:
@@ -32,6 +32,16 @@ def raise_everywhere(errors: list[str]) -> None:
         msgs = list(dict.fromkeys(errors))
         more = f"; and {len(msgs) - 8} more" if len(msgs) > 8 else ""
         raise ValueError("OverlapMuon: " + "; ".join(msgs[:8]) + more)
+
+
+def differs_across_ranks(value: Any) -> list[Any] | None:
+    """Every rank's ``value`` (picklable) when they are not all equal, else ``None``. Collective over the default
+    group (``all_gather_object``); ``None`` in one process."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return None if all(v == values[0] for v in values) else values
 
 
 def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], config: OverlapMuonConfig) -> None:

@@ -566,8 +566,8 @@ def describe_expert_param(
             return [], (f"expert param {name!r} (shape {tuple(p.shape)}) has {p.shape[0]} experts over EP size "
                         f"{ep_size}; every EP rank must hold the same number of experts (the ranks plan and "
                         "exchange in lockstep)")
-        if T > 1 and isinstance(etp_pl, Shard) and etp_pl.dim in (1, 2):
-            pd: int | None = etp_pl.dim - 1
+        if isinstance(etp_pl, Shard) and etp_pl.dim in (1, 2):
+            pd: int | None = etp_pl.dim - 1 if T > 1 else None  # a shard over a size-1 dim is the whole matrix
         elif isinstance(etp_pl, Replicate):
             pd = None
         else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import datetime
 import logging
 import warnings
@@ -36,7 +35,7 @@ from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domai
 from scheduler.surplus import CPU_GLOO, on_every_rank
 from scheduler.waves import Wave
 
-from .checks import check_plan_everywhere, raise_everywhere
+from .checks import check_plan_everywhere, differs_across_ranks, raise_everywhere
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
 from .domain import (
@@ -46,7 +45,7 @@ from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
 from .pipeline import Hyper, TestingSeam, WavePipeline, dp_slot_groups
 from .placement import place_params
-from .sorting import adamw_param_groups, conv1d_weights, sort_params, split_table
+from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
 from .split import SplitArg
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
 
@@ -73,6 +72,19 @@ def _remove_all(handles: list, pipeline: WavePipeline) -> None:
     for h in handles:
         h.remove()
     pipeline.close()
+
+
+def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], expert_layout: bool) -> list[str]:
+    """Collective: an expert layout given with no expert param selected, or expert counts that differ by rank
+    (which would otherwise surface as a plan mismatch naming an unrelated param)."""
+    errors = ["expert_mesh/etp_group given but experts= selects no Muon param"] if expert_layout and not expert_ids else []
+    held = [(n, int(p.shape[0]) if p.ndim == 3 else 1) for n, p in muon_named if id(p) in expert_ids]
+    per_rank = differs_across_ranks(held)  # on every rank, whatever it holds
+    if per_rank is not None:
+        errors.append(f"the ranks hold different expert params (name, experts held) -- "
+                      f"{'; '.join(f'rank {r}: {h}' for r, h in enumerate(per_rank))[:600]}; every EP rank must hold "
+                      "the same expert params with the same number of experts")
+    return errors
 
 
 class OverlapMuon(torch.optim.Optimizer):
@@ -190,6 +202,7 @@ class OverlapMuon(torch.optim.Optimizer):
         # ---- sort params ([Note: the default split] in sorting.py); place the Muon matrices in the domain -------
         # Errors are raised on every rank: the mesh/domain's first (it makes every per-param check meaningless),
         # then the params'.
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         muon_named, adamw_named, expert_ids, errors = sort_params(model, muon_filter, experts)
         conv1d = conv1d_weights(model)
         layouts, mesh_err = discover_layouts(device_mesh, tp_group, remat_group, remat_dim, tp_dim)
@@ -201,11 +214,19 @@ class OverlapMuon(torch.optim.Optimizer):
         self._muon, described = place_params(muon_named, expert_ids, conv1d, split, (device_mesh, dims, R, T, g, t),
                                              (expert_mesh, ep_dim, etp_dim, ET, et))
         errors += described
+        expert_layout = expert_mesh is not None or etp_group is not None
+        errors += _layout_errors(muon_named, expert_ids, expert_layout)
+        if multi and any(getattr(p, "partition_dim", None) is not None and not isinstance(p, DTensor)
+                         and not (expert_layout if id(p) in expert_ids else layouts) for _, p in muon_named):
+            if self._rank == 0:
+                warnings.warn(
+                    "OverlapMuon: some plain Muon params carry a partition_dim but their domain has no TP/ETP group "
+                    "(no tp_group/device_mesh, or no etp_group/expert_mesh for experts): each rank orthogonalizes its "
+                    "tensor as a whole matrix. If they are shards of larger matrices, pass the group.", stacklevel=2)
         if isinstance(split, dict):
-            unused = [k for k in split if not any(fnmatch.fnmatchcase(m.name, k) for m in self._muon)]
+            unused = [k for k in split if not any(name_matches(m.name, k) for m in self._muon)]
             errors += [f"split patterns {unused} match no Muon param (Muon params: {[m.name for m in self._muon][:8]}"
                        f"{' ...' if len(self._muon) > 8 else ''})"] if unused else []
-        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if max_grad_norm is not None and (R * T > 1 or multi and expert_ids) and any(
                 not isinstance(m.param, DTensor) for m in self._muon):
             errors.append("max_grad_norm needs DTensor params on a multi-rank domain (a plain shard's norm cannot "

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["HEAD_NAMES", "conv1d_weights", "default_muon_ids", "expert_selector", "sort_params", "adamw_param_groups", "split_table"]
+__all__ = ["HEAD_NAMES", "conv1d_weights", "default_muon_ids", "expert_selector", "name_matches", "sort_params", "adamw_param_groups", "split_table"]
 
 HEAD_NAMES = ("lm_head", "output", "output_layer", "head")
 """Names of a root's ``nn.Linear`` child taken as the output head (HF/nanoGPT, torchtitan, Megatron-Core, timm)."""
@@ -84,8 +84,17 @@ def sort_params(
     default_muon = default_muon_ids(model) if muon_filter is None else set()
     is_expert = expert_selector(experts)
     muon_named, adamw_named, errors, expert_ids = [], [], [], set()
-    for name, p in model.named_parameters():  # remove_duplicate=True: a tied param appears once
+    named = list(model.named_parameters())  # remove_duplicate=True: a tied param appears once
+    if isinstance(experts, (str, list, tuple)):
+        pats = [experts] if isinstance(experts, str) else list(experts)
+        unused = [x for x in pats if not any(name_matches(n, x) for n, _ in named)]
+        errors += [f"experts patterns {unused} match no param of the model"] if unused else []
+    for name, p in named:
         expert = is_expert(name, p)
+        if expert and "bias" in name.rsplit(".", 1)[-1]:
+            errors.append(f"experts= selects {name!r} (shape {tuple(p.shape)}), a bias: biases are not Muon matrices; "
+                          "narrow the pattern to the expert weights (e.g. '*.experts.*weight*' or '*.experts.w*')")
+            expert = False
         pick = muon_filter(name, p) if muon_filter is not None else id(p) in default_muon or expert
         if expert and not pick:
             errors.append(f"expert param {name!r} is selected by experts= but not by muon_filter")
@@ -100,6 +109,12 @@ def sort_params(
             muon_named.append((name, p))
             expert_ids |= {id(p)} if expert else set()
     return muon_named, adamw_named, expert_ids, errors
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """``pattern`` names ``name``: the name itself (so ``"moe.w[0]"`` names one matrix of a grouped expert weight,
+    brackets and all), or an ``fnmatch`` pattern matching it."""
+    return name == pattern or fnmatch.fnmatchcase(name, pattern)
 
 
 def expert_selector(experts: Any) -> Callable[[str, Tensor], bool]:
@@ -117,7 +132,7 @@ def expert_selector(experts: Any) -> Callable[[str, Tensor], bool]:
     if pats is None or not all(isinstance(x, str) for x in pats):
         raise TypeError(f"experts must be a (name, param) -> bool callable, an fnmatch pattern or a list of them, "
                         f"got {experts!r}")
-    return lambda n, p: any(fnmatch.fnmatchcase(n, x) for x in pats)
+    return lambda n, p: any(name_matches(n, x) for x in pats)
 
 
 def adamw_param_groups(

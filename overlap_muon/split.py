@@ -11,12 +11,13 @@ Momentum, Nesterov and weight decay are elementwise, so the split changes nothin
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .sorting import name_matches
 
 __all__ = ["RowSplit", "QKVSplit", "GateUpSplit", "HeadSplit", "resolve_split", "apply_runs", "split_ns"]
 
@@ -97,7 +98,7 @@ def resolve_split(split: SplitArg, name: str, param: Tensor, full_shape: tuple[i
                   ) -> tuple[list[list[int]] | None, str | None]:
     """The parts of param ``name`` (``None``: not split) and an error message (``None``: fine).
 
-    ``split`` maps param names (``fnmatch`` patterns, e.g. ``"blocks.*.attn.qkv.weight"``) to a :class:`RowSplit`,
+    ``split`` maps param names (the name itself, or ``fnmatch`` patterns, e.g. ``"blocks.*.attn.qkv.weight"``) to a :class:`RowSplit`,
     or is a callable ``(name, param) -> RowSplit | None``.
     """
     if split is None:
@@ -105,7 +106,7 @@ def resolve_split(split: SplitArg, name: str, param: Tensor, full_shape: tuple[i
     if callable(split) and not isinstance(split, Mapping):
         spec = split(name, param)
     else:
-        spec = next((v for k, v in split.items() if fnmatch.fnmatchcase(name, k)), None)
+        spec = next((v for k, v in split.items() if name_matches(name, k)), None)
     if spec is None:
         return None, None
     if not isinstance(spec, RowSplit):

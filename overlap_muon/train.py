@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="overlap_muon toggles (environment): OVERLAP_MUON_MODE=layer_sharded|duplicated, OVERLAP_MUON_OVERLAP, "
         "OVERLAP_MUON_FUSED_A2A, OVERLAP_MUON_BATCH_NS, OVERLAP_MUON_SIDE_STREAMS, OVERLAP_MUON_NVTX (1|0), "
-        "OVERLAP_MUON_BALANCE=lpt|round_robin, OVERLAP_MUON_WAVE_SLOTS=N, OVERLAP_MUON_PG_TIMEOUT_S=seconds, "
+        "OVERLAP_MUON_BALANCE=lpt|round_robin, OVERLAP_MUON_WAVE_PLAN=count|cost, OVERLAP_MUON_WAVE_SLOTS=N, OVERLAP_MUON_PG_TIMEOUT_S=seconds, "
         "OVERLAP_MUON_READINESS_ORDER=reverse|observed, OVERLAP_MUON_SKIP_NONFINITE, OVERLAP_MUON_CHECK_GRAD_PRESENCE, "
         "OVERLAP_MUON_SYRK (1|0), OVERLAP_MUON_SURPLUS=idle|duplicate|team, OVERLAP_MUON_DP_SLOTS (1|0) (see the README).",
     )
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--momentum", type=float, default=0.95, help="Muon momentum (default: %(default)s)")
     a("--max-grad-norm", type=float, default=None,
       help="clip all gradients by their global norm before each step (OverlapMuon: its max_grad_norm; the other "
-           "optimizers: the same arithmetic as clip_grad_norm_); default: no clipping")
+           "optimizers: the same arithmetic as clip_grad_norm_); default: no clipping; with --moe one process only")
     a("--adjust-lr-fn", choices=("original", "match_rms_adamw"), default=None, help="Muon lr scaling by shape")
     a("--warmup", type=int, default=10, help="linear warmup steps (default: %(default)s)")
     a("--cooldown", type=float, default=0.3, help="fraction of steps of linear decay to 0 (default: %(default)s)")

@@ -279,3 +279,75 @@ def test_expert_gradient_mismatch_is_an_error_everywhere(overlap):
     for rank, (msg, unchanged) in enumerate(run_ranks(_mismatch_body, 4, overlap, timeout=90)):
         assert "gradient on some ranks" in msg, (rank, msg)
         assert unchanged, rank
+
+
+def test_expert_selector_mistakes_are_errors():
+    """A pattern that matches nothing, and a bias stack caught by a broad pattern, are errors (not AdamW params or
+    matrices in silence); a split entry may name one matrix of a grouped weight by its exact name."""
+    from overlap_muon import GateUpSplit
+
+    model = nn.Module()
+    model.experts = nn.Module()
+    model.experts.w13 = nn.Parameter(torch.randn(2, 8, 4))
+    model.experts.w13_bias = nn.Parameter(torch.randn(2, 8))
+    with pytest.raises(ValueError, match=r"experts patterns \['moe\.expert\.\*'\] match no param"):
+        OverlapMuon(model, experts="moe.expert.*")
+    with pytest.raises(ValueError, match=r"'experts.w13_bias'.*a bias"):
+        OverlapMuon(model, experts="experts.*")
+    opt = OverlapMuon(model, experts="experts.w13", split={"experts.w13[0]": GateUpSplit()})
+    assert opt.muon_param_names == ["experts.w13[0]", "experts.w13[1]"]
+    assert [m.parts is not None for m in opt._muon] == [True, False]
+    opt.close()
+
+
+def _layout_mistakes_body(rank, world, case):
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = nn.Module()
+    if case == "uneven_plain":
+        model.w = nn.Parameter(torch.randn(2 - rank, 6, 4))  # 2 experts on rank 0, 1 on rank 1
+        kw = {}
+    elif case == "forgot_etp":
+        model.w = nn.Parameter(torch.randn(2, 3, 4))
+        model.w.partition_dim = 0  # a row shard of (2, 6, 4) over ETP 2, but no etp_group
+        kw = {}
+    else:  # "dtensor_etp1": the README's placements on an ("ep", "etp") mesh whose etp dim has size 1
+        emesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "etp"))
+        full = torch.randn(4, 6, 4, generator=torch.Generator().manual_seed(0))
+        model.w = nn.Parameter(distribute_tensor(full, emesh, [Shard(0), Shard(1)]))
+        kw = {"expert_mesh": emesh}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = OverlapMuon(model, experts="w", **kw)
+    except ValueError as e:
+        return "error", str(e)
+    if case == "dtensor_etp1":  # 2 local experts, each a whole matrix: equal to torch.optim.Muon on each
+        ref = [nn.Parameter(full[2 * rank + e].clone()) for e in range(2)]
+        mu = torch.optim.Muon(ref, lr=1e-3, weight_decay=0.1)
+        g = torch.randn(4, 6, 4, generator=torch.Generator().manual_seed(1))
+        for e, p in enumerate(ref):
+            p.grad = g[2 * rank + e].clone()
+        mu.step()
+        model.w.grad = distribute_tensor(g, emesh, [Shard(0), Shard(1)])
+        opt.step()
+        opt.synchronize()
+        return "ok", all(torch.equal(model.w.to_local()[e], ref[e].detach()) for e in range(2))
+    opt.close()
+    return "warned", [str(w.message) for w in caught]
+
+
+@pytest.mark.timeout(120)
+def test_expert_layout_mistakes_are_reported():
+    """Plain experts held unevenly: an error naming the expert counts (not a plan mismatch at an unrelated param).
+    Shards carrying ``partition_dim`` without an ETP group: a warning on rank 0 (they are taken as whole matrices).
+    ``Shard(1)`` over a size-1 ETP dim is the whole matrix, not an error."""
+    for kind, msg in run_ranks(_layout_mistakes_body, 2, "uneven_plain", timeout=90):
+        assert kind == "error" and "hold different expert params" in msg and "('w', 2)" in msg, msg
+    res = run_ranks(_layout_mistakes_body, 2, "forgot_etp", timeout=90)
+    assert res[0][0] == "warned" and any("partition_dim" in m for m in res[0][1]), res
+    for kind, ok in run_ranks(_layout_mistakes_body, 2, "dtensor_etp1", timeout=90):
+        assert kind == "ok" and ok is True, (kind, ok)

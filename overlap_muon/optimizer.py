@@ -215,6 +215,10 @@ class OverlapMuon(torch.optim.Optimizer):
                                              (expert_mesh, ep_dim, etp_dim, ET, et))
         errors += described
         expert_layout = expert_mesh is not None or etp_group is not None
+        left = [n for n, p in adamw_named if p.ndim == 3]
+        if experts is not None and left and self._rank == 0:
+            warnings.warn(f"OverlapMuon: experts= is given but the 3-D params {left[:8]} are not selected; they go to "
+                          "AdamW. Widen the pattern if they are grouped expert weights.", stacklevel=2)
         errors += _layout_errors(muon_named, expert_ids, expert_layout)
         if multi and any(getattr(p, "partition_dim", None) is not None and not isinstance(p, DTensor)
                          and not (expert_layout if id(p) in expert_ids else layouts) for _, p in muon_named):

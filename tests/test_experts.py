@@ -294,7 +294,9 @@ def test_expert_selector_mistakes_are_errors():
         OverlapMuon(model, experts="moe.expert.*")
     with pytest.raises(ValueError, match=r"'experts.w13_bias'.*a bias"):
         OverlapMuon(model, experts="experts.*")
-    opt = OverlapMuon(model, experts="experts.w13", split={"experts.w13[0]": GateUpSplit()})
+    model.experts.w2 = nn.Parameter(torch.randn(2, 4, 8))
+    with pytest.warns(UserWarning, match=r"3-D params \['experts.w2'\] are not selected; they go to AdamW"):
+        opt = OverlapMuon(model, experts="experts.w13", split={"experts.w13[0]": GateUpSplit()})
     assert opt.muon_param_names == ["experts.w13[0]", "experts.w13[1]"]
     assert [m.parts is not None for m in opt._muon] == [True, False]
     opt.close()

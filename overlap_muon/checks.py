@@ -14,7 +14,7 @@ from scheduler.waves import Wave
 from .config import OverlapMuonConfig
 from .domain import MuonParam
 
-__all__ = ["raise_everywhere", "check_plan_everywhere", "differs_across_ranks"]
+__all__ = ["raise_everywhere", "check_plan_everywhere", "differs_across_ranks", "option_errors"]
 
 
 def raise_everywhere(errors: list[str]) -> None:
@@ -44,6 +44,21 @@ def differs_across_ranks(value: Any) -> list[Any] | None:
     return None if all(v == values[0] for v in values) else values
 
 
+def _options(config: OverlapMuonConfig) -> str:
+    return config.describe().replace("(env)", "").replace("(argument)", "").replace("(default)", "")
+
+
+def option_errors(config: OverlapMuonConfig) -> list[str]:
+    """Collective, before the runtime creates its groups (which options decide): a message if the ranks were
+    given different options, else nothing."""
+    per_rank = differs_across_ranks(_options(config))
+    if per_rank is None:
+        return []
+    odd = [f"rank {r}: {o}" for r, o in enumerate(per_rank) if o != per_rank[0]]
+    return [f"the ranks were given different options (rank 0: {per_rank[0]}; {'; '.join(odd)}); every rank must pass "
+            "the same arguments and environment"]
+
+
 def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], config: OverlapMuonConfig) -> None:
     """Every rank must plan the same waves and run the same options, or the exchanges would pair up wrongly:
     compare a hash of the plan (``scheduler.plan_hash``) across ranks, once, at construction.
@@ -56,7 +71,7 @@ def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], conf
     names = [m.name for m in muon]
     fps = param_fingerprints(names, [m.full_shape for m in muon], [m.partition_dim for m in muon],
                              waves)
-    options = config.describe().replace("(env)", "").replace("(argument)", "").replace("(default)", "")
+    options = _options(config)
     hashes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(hashes, plan_hash(fps, extra=(options,)))
     if len(set(hashes)) == 1:

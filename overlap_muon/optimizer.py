@@ -35,7 +35,7 @@ from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domai
 from scheduler.surplus import CPU_GLOO, on_every_rank
 from scheduler.waves import Wave
 
-from .checks import check_plan_everywhere, differs_across_ranks, raise_everywhere
+from .checks import check_plan_everywhere, differs_across_ranks, option_errors, raise_everywhere
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
 from .domain import (
@@ -219,7 +219,7 @@ class OverlapMuon(torch.optim.Optimizer):
         if experts is not None and left and self._rank == 0:
             warnings.warn(f"OverlapMuon: experts= is given but the 3-D params {left[:8]} are not selected; they go to "
                           "AdamW. Widen the pattern if they are grouped expert weights.", stacklevel=2)
-        errors += _layout_errors(muon_named, expert_ids, expert_layout)
+        errors += _layout_errors(muon_named, expert_ids, expert_layout) + option_errors(self.config)
         if multi and any(getattr(p, "partition_dim", None) is not None and not isinstance(p, DTensor)
                          and not (expert_layout if id(p) in expert_ids else layouts) for _, p in muon_named):
             if self._rank == 0:

@@ -293,3 +293,29 @@ def test_runtime_team_within_its_bound(R, T):
             ratio = math.sqrt(max(1.0, shape[0] / shape[1]))
             bound = 2 * 0.02 * ratio * 2 ** -7  # two steps
             assert float((x - y).abs().max()) <= bound, (shape, float((x - y).abs().max()), bound)
+
+
+def _mixed_options_body(rank, world):
+    import torch
+    from torch import nn
+
+    from overlap_muon import OverlapMuon
+    from tests.models import explicit_groups
+
+    tp, _ = explicit_groups(1, 2, 0, rank)
+    net = nn.Module()
+    net.w = nn.Parameter(torch.randn(4, 8))
+    net.w.partition_dim, net.w.full_shape = 0, (8, 8)
+    try:  # the team group would be created on rank 0 only: the options are compared before any group exists
+        OverlapMuon(net, muon_filter=lambda n, p: True, tp_group=tp, surplus="team" if rank == 0 else "idle")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_options_that_decide_groups_differ_is_an_error_not_a_hang():
+    from tests.dist_utils import run_ranks
+
+    for msg in run_ranks(_mixed_options_body, 2, timeout=90):
+        assert "different options" in msg and "surplus='team'" in msg, msg

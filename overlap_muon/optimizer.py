@@ -313,6 +313,8 @@ class OverlapMuon(torch.optim.Optimizer):
         self._tracker: GradReadyTracker | None = None
         self._covered: set[int] = set()  # Muon params a forward wait covered, recorded until coverage is decided
         self._forward_ran = False  # a forward wait ran (a forward of the model) before coverage was decided
+        self._forward_since_step = False  # a forward wait ran since the last step() (else step() waits itself)
+        self._warned_no_forward = False
         self._coverage_decided = False
         self._module_params: dict[nn.Module, set[int]] = {}
         self._at_boundary = False  # a compiled module's wait ran eagerly in this forward (reset at the root's)
@@ -448,6 +450,7 @@ class OverlapMuon(torch.optim.Optimizer):
                 mods.extend(getattr(other, "_modules", ()))
         indices = {i for m in mods for i in self._module_params.get(m, ())}
         self._forward_ran = True  # a forward of the model is running (the first step's coverage counts from it)
+        self._forward_since_step = True
         boundary = compile_boundary(module)
         if boundary or id(module) == self._root_id:  # the root's forward starts a new forward: forget the last
             self._at_boundary = boundary
@@ -559,7 +562,26 @@ class OverlapMuon(torch.optim.Optimizer):
         self.stats["steps"] += 1
         if not self.config.overlap:
             self.synchronize()
+        elif self._muon and not self._forward_since_step:
+            self._no_forward_wait()
+        self._forward_since_step = False
         return loss
+
+    def _no_forward_wait(self) -> None:
+        """No forward of the model ran since the last ``step()`` (the loss was built from the params directly, or
+        the model is run through something that skips its modules' forwards): nothing would wait for these updates
+        before the weights are read again, so wait now, as a forward would (CPU: the host; CUDA: the current
+        stream), and say so once."""
+        if not self._warned_no_forward:
+            self._warned_no_forward = True
+            warnings.warn(
+                "OverlapMuon (overlap=True): no forward of the model ran since the last step(), so no forward wait "
+                "could hold back reads of the updated weights; step() now waits for its updates itself (the "
+                "overlap with the next forward is lost). Run the model's forward, or read weights after "
+                "opt.wait_for(params).",
+                stacklevel=3,
+            )
+        self._pipeline.wait([w.index for w in self._waves])
 
     def synchronize(self) -> None:
         """Block until every committed wave has been applied (host waits; on CUDA the device too).

@@ -635,8 +635,8 @@ class WavePipeline:
             self.discard()
             raise ValueError(
                 f"OverlapMuon step(): Muon params {split[:8] or '(on another rank)'}{' ...' if len(split) > 8 else ''} "
-                "have a gradient on some ranks and not on others; every rank of a domain must compute the "
-                "same params' gradients. Nothing was applied."
+                "have a gradient on some ranks and not on others; every rank holding a param (every rank of its "
+                "domain, and of every replica of it) must compute its gradient. Nothing was applied."
             )
         return flags[:n].tolist()
 

@@ -381,3 +381,30 @@ def test_ranks_with_different_options_fail_at_construction():
     rank at construction instead (a hash of the plan compared across ranks)."""
     for msg in run_ranks(_mismatch_body, 2, timeout=90):
         assert msg is not None and "different options" in msg and "batch_ns=True" in msg, msg
+
+
+def test_loss_built_from_the_params_without_a_forward_waits_at_step():
+    """Found by a break test: a loss built from the weights directly (no forward of the model ever runs) read the
+    weights before the last step's update landed: a silent difference. Now ``step()`` sees that no forward wait
+    ran since the last step, waits for its own updates and warns once; equal to torch.optim.Muon."""
+    from overlap_muon.pipeline import TestingSeam
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.a, model.b = nn.Linear(16, 24, bias=False), nn.Linear(24, 16, bias=False)
+    ref = copy.deepcopy(model)
+    opt = OverlapMuon(model, **HP, _testing=TestingSeam(ns_delay_s=0.05))  # the updates land late
+    mu = torch.optim.Muon(ref.parameters(), **HP)
+    coef = [torch.randn(p.shape, generator=torch.Generator().manual_seed(k)) for k, p in enumerate(model.parameters())]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for m, o in ((model, opt), (ref, mu)):
+                sum(((p * c) ** 2).sum() for p, c in zip(m.parameters(), coef)).backward()
+                o.step()
+                o.zero_grad()
+    opt.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    assert sum("no forward of the model ran" in str(w.message) for w in caught) == 1
+    opt.close()

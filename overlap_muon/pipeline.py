@@ -74,8 +74,9 @@ __all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam", "DPSlots", "dp_s
 class DPSlots:
     """[Note: DP replicas as NS slots] With replicate dims (HSDP's ``dp_replicate``) every replica of the dense
     domain holds the same shards and, after the gradient all-reduce, the same gradients, so by default each replica
-    runs the NS of every matrix. With DP slots a wave's homes number ``D * S`` (replica ``h // S``, domain rank
-    ``h % S``): each replica gathers, orthogonalizes and scatters only the matrices homed in it, then every rank
+    runs the NS of every matrix. With DP slots a wave's homes number ``D * S`` (replica ``h % D``, domain rank
+    ``h // D``: interleaved, so the planner's ties, which go to the lowest home, alternate between replicas): each
+    replica gathers, orthogonalizes and scatters only the matrices homed in it, then every rank
     swaps its blocks of the results with the same-position rank of the other replicas (one ``all_to_all`` over
     that DP group, on the from-home lane after the scatter). Same inputs, same NS: bitwise the result of every
     replica running all of it, at ``1/D`` of the NS and of the domain's exchanges per replica plus the DP swap."""
@@ -311,14 +312,14 @@ class WavePipeline:
         ex = [j for j, m in enumerate(mps) if not m.replicated]
         if self.dp is None or st.wave.domain != 0:
             return ex, []
-        S, d = self.dp.domain_size, self.dp.replica
-        mine = [j for j in ex if st.wave.homes[st.items[j]] // S == d]
-        return mine, [j for j in ex if st.wave.homes[st.items[j]] // S != d]
+        D, d = self.dp.size, self.dp.replica
+        mine = [j for j in ex if st.wave.homes[st.items[j]] % D == d]
+        return mine, [j for j in ex if st.wave.homes[st.items[j]] % D != d]
 
     def _home(self, wave: Wave, i: int) -> int:
-        """Param ``i``'s home as a rank of this rank's domain (DP slots: homes number ``D * S``, replica-major)."""
+        """Param ``i``'s home as a rank of this rank's domain (DP slots: homes number ``D * S``, interleaved)."""
         h = wave.homes[i]
-        return h % self.dp.domain_size if self.dp is not None and wave.domain == 0 else h
+        return h // self.dp.size if self.dp is not None and wave.domain == 0 else h
 
     def _to_home_task(self, st: WaveState, check: bool) -> None:
         k, dom = st.wave.index, self._doms[st.wave.domain][0]
@@ -419,8 +420,8 @@ class WavePipeline:
         """[Note: DP replicas as NS slots] This rank's blocks of the results its replica computed (``ex``, in
         ``updates``) go to the same-position rank of every other replica, which sends back its own: one
         ``all_to_all`` over the DP group of flat bf16 buffers. Returns the blocks of ``others``, in order."""
-        dp, S = self.dp, self.dp.domain_size
-        owner = {j: st.wave.homes[st.items[j]] // S for j in ex + others}
+        dp = self.dp
+        owner = {j: st.wave.homes[st.items[j]] % dp.size for j in ex + others}
         shapes = {j: tuple(self.muon[st.items[j]].local(self.muon[st.items[j]].param).shape) for j in owner}
         numel = {j: math.prod(shapes[j]) for j in owner}
         n = [sum(numel[j] for j in sorted(owner) if owner[j] == r) for r in range(dp.size)]

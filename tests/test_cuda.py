@@ -180,3 +180,38 @@ def test_fsdp2_all_gather_waits_for_the_update():
     the same check fails: the all-gather copies the shard before the update."""
     assert all(run_ranks(_fsdp_race, 1, False, timeout=180, backend="nccl"))
     assert not all(run_ranks(_fsdp_race, 1, True, timeout=180, backend="nccl"))
+
+
+class _Grouped(nn.Module):
+    """Two grouped expert weights (E, P, Q) used by a forward (every expert sees every token)."""
+
+    def __init__(self, e: int = 4, d: int = 128, h: int = 192) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(e, h, d) / d**0.5)
+        self.w_out = nn.Parameter(torch.randn(e, d, h) / h**0.5)
+
+    def forward(self, x):
+        return sum(torch.nn.functional.gelu(x @ self.w_in[e].T) @ self.w_out[e].T for e in range(self.w_in.shape[0]))
+
+
+def test_grouped_experts_on_side_streams_bitwise_equal_torch_muon():
+    """Grouped (E, P, Q) expert weights (``experts=``) with overlap on side streams: equal to torch.optim.Muon on
+    every expert matrix as its own param."""
+    torch.manual_seed(0)
+    model = _Grouped().cuda()
+    opt = OverlapMuon(model, experts=["w_in", "w_out"], **HP)
+    ref = [nn.Parameter(p.detach()[e].clone()) for p in model.parameters() for e in range(p.shape[0])]
+    mu = torch.optim.Muon(ref, **HP)
+    x = torch.randn(64, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    for _ in range(3):
+        model(x).square().mean().backward()
+        for k, (p, e) in enumerate((p, e) for p in model.parameters() for e in range(p.shape[0])):
+            ref[k].grad = p.grad[e].clone()
+        opt.step()
+        mu.step()
+        opt.zero_grad()
+    opt.synchronize()
+    torch.cuda.synchronize()
+    got = [p.detach()[e] for p in model.parameters() for e in range(p.shape[0])]
+    assert all(torch.equal(a, b.detach()) for a, b in zip(got, ref))
+    opt.close()

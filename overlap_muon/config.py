@@ -77,8 +77,9 @@ class OverlapMuonConfig:
     and keeps its own block, and nothing is scattered back (bitwise the single-home result); ``team``: such a
     dense-domain wave is gathered likewise and the domain splits each matrix's NS by rows
     (``overlap_muon.team_ns``: ``1/S`` of the FLOPs each, ``2 * ns_steps + 1`` all-gathers; NOT bitwise, see there).
-    Plans giving a matrix some of the ranks, and ``auto``, are simulated only ([Note: runtime wiring] in
-    ``scheduler/surplus.py``)."""
+    With fused exchanges ``duplicate`` also runs plans that give a matrix ``k`` of the ranks (its homes each get it
+    and run its NS; only the other ranks get a scatter). Teams of part of the domain, and ``auto``, are simulated
+    only ([Note: runtime wiring] in ``scheduler/surplus.py``)."""
     dp_slots: bool = _opt(False, "OVERLAP_MUON_DP_SLOTS", kind=bool)
     """With replicate dims on the mesh (HSDP), the replicas of the dense domain share its NS work instead of each
     running all of it; results are swapped over the DP groups ([Note: DP replicas as NS slots] in

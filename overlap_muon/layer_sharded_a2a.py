@@ -821,6 +821,7 @@ def from_homes(
     fused: bool,
     plan: dict | None = None,
     dtype: torch.dtype | None = None,
+    serve: Sequence[frozenset[int]] | None = None,
 ) -> list[Tensor]:
     """Scatter the homes' full results back: every rank gets its block of every param (inverse of :func:`to_homes`).
 
@@ -834,6 +835,9 @@ def from_homes(
             reversed over ``remat_group`` along dim 0. At most 2 collectives.
         dtype: dtype of the results and the transport; every rank must agree, so it defaults to the shards'
             dtype. Pass it when the NS results have another dtype.
+        serve: fused only: per param, the flat ranks its home sends a block to (``None``: all). A rank outside a
+            param's set gets an empty tensor for it. With a param listed once per duplicate home
+            (``surplus="duplicate"``), each copy serves its own ranks and every rank is served once.
 
     Returns:
         One tensor per param: this rank's block (shape ``shards[i].shape``, dtype ``dtype``); for partition None
@@ -845,6 +849,9 @@ def from_homes(
     """
     needs = "flat" if fused else "stages"
     p = _check_domain_inputs("from_homes", shards, homes, partition_dims, full_shapes, domain, needs)
+    if serve is not None and (not fused or len(serve) != len(shards)):
+        raise ValueError(f"from_homes: serve needs fused=True and one rank set per param ({len(shards)}), got "
+                         f"fused={fused} and {len(serve)}")
     dtype = dtype if dtype is not None else p.dtype
     R, T, g, t, me = domain.remat_size, domain.tp_size, domain.remat_rank, domain.tp_rank, domain.flat_rank
     mine = [i for i, h in enumerate(p.homes) if h == me]
@@ -854,7 +861,8 @@ def from_homes(
     if fused:
         if R * T == 1 or not shards:
             return list(ns_results)
-        route = _cached(plan, "fused_from", (("op", "fused_from"),), lambda sig: _fused_from(sig, p, domain))
+        sig = (("op", "fused_from"), ("serve", None if serve is None else tuple(tuple(sorted(x)) for x in serve)))
+        route = _cached(plan, "fused_from", sig, lambda sig: _fused_from(sig, p, domain, serve))
         return _execute(route, ns_results, domain.flat_group, dtype, p.device)
     coords = [divmod(h, T) for h in p.homes]
     # Stage 2 reversed, over the TP group: the home sends each TP peer its TP block (None: a full copy, since
@@ -896,19 +904,24 @@ def from_homes(
     )
 
 
-def _fused_from(sig: tuple, p: _Params, domain: Domain) -> _Route:
+def _fused_from(sig: tuple, p: _Params, domain: Domain, serve: Sequence[frozenset[int]] | None = None) -> _Route:
     R, T, W, me = domain.remat_size, domain.tp_size, domain.size, domain.flat_rank
     by_home = params_by_home(len(p.homes), p.homes, W)
     send = _Packer(W)
     for d in range(W):
         gd, td = divmod(d, T)
         for k, i in enumerate(by_home[me]):
+            if serve is not None and d not in serve[i]:
+                continue
             b = block(p.full[i], p.pds[i], R, T, gd, td)
             send.add(d, k, (b[1], b[3]), _block_region(b))
     recv = _Packer(W)
     outs: list[_Out | None] = [None] * len(p.homes)
     for s in range(W):
         for i in by_home[s]:
+            if serve is not None and me not in serve[i]:
+                outs[i] = _Out((0, 0), None, ())  # served by another copy of the param
+                continue
             b = block(p.full[i], p.pds[i], R, T, domain.remat_rank, domain.tp_rank)
             piece = recv.add(s, i, (b[1], b[3]), ())
             outs[i] = _Out((b[1], b[3]), None, () if piece is None else (piece,))

@@ -32,7 +32,7 @@ from hooks import (
     compile_boundary, register_forward_waits, weak_callback,
 )
 from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
-from scheduler.surplus import CPU_GLOO, on_every_rank
+from scheduler.surplus import CPU_GLOO, duplicate_homes, on_every_rank
 from scheduler.waves import Wave
 
 from .checks import check_plan_everywhere, differs_across_ranks, option_errors, raise_everywhere
@@ -394,6 +394,9 @@ class OverlapMuon(torch.optim.Optimizer):
             waves = on_every_rank(self._waves, [m.full_shape for m in self._muon], sizes, cfg.surplus, model)
             self._pipeline.gathered |= waves
             self._pipeline.teamed |= waves if cfg.surplus == "team" else set()
+            if cfg.surplus == "duplicate" and cfg.fused_a2a:  # waves that give a matrix some of the ranks
+                self._pipeline.dup_homes = duplicate_homes(self._waves, [m.full_shape for m in self._muon],
+                                                           sizes, model, skip=waves)
         self._wave_of = {i: w.index for w in self._waves for i in w.params}
         self._dispatcher = WaveDispatcher(self._waves, self._launch)
 

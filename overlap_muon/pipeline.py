@@ -172,7 +172,10 @@ class WaveState:
     (NS'd locally, [Note: replicated params] in ``domain.py``) (``to_home``; released after NS)."""
     mine: list[int] | None = None
     """Of the wave's exchanged (not replicated) params, in ``items`` order, the positions of those homed on this rank
-    (``to_home``); ``fulls[:len(mine)]`` are theirs."""
+    (``to_home``); ``fulls[:len(mine)]`` are theirs. With duplicate homes, positions in :attr:`copies`."""
+    copies: list[tuple[int, int]] | None = None
+    """With duplicate homes (``WavePipeline.dup_homes``): the list the exchanges route, ``(position in the
+    exchanged params, home)`` per copy of a matrix, one copy per home (``to_home``)."""
     outs: list[Tensor] | None = None
     """(P, Q) bf16: NS results on this rank's homes (``compute``; released after ``from_home``)."""
     updates: list[Tensor] | None = None
@@ -260,6 +263,10 @@ class WavePipeline:
         self.gathered: set[int] = set()
         """Waves run as in ``duplicated`` mode (every rank gathers and NS's every matrix, nothing is scattered):
         all of them in that mode, else those the surplus plan gives every rank (``surplus="duplicate"|"team"``)."""
+        self.dup_homes: dict[int, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        """``surplus="duplicate"``, fused exchanges: per wave, the matrices with several homes
+        (``scheduler.surplus.duplicate_homes``): each home receives the whole matrix and runs its NS, and every rank
+        takes its block from its serving home (a home from itself), so only the other ranks receive a scatter."""
         self.teamed: set[int] = set()
         """Of :attr:`gathered`, the waves whose NS the domain splits by rows (``surplus="team"``, on
         ``team_group``: ``overlap_muon.team_ns``, not bitwise)."""
@@ -352,11 +359,15 @@ class WavePipeline:
                 fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(packed, pds, shapes, dom))
                 st.mine = list(range(len(ex)))
             else:
-                homes = [self._home(st.wave, st.items[j]) for j in ex]
+                dup = self.dup_homes.get(k, {})
+                st.copies = [(x, h) for x, j in enumerate(ex)
+                             for h in (dup[st.items[j]][0] if st.items[j] in dup else (self._home(st.wave, st.items[j]),))]
+                homes = [h for _, h in st.copies]
+                cp, cpds, cshapes = ([v[x] for x, _ in st.copies] for v in (packed, pds, shapes))
                 plan = self._route_plans.setdefault(("to", k, tuple(st.items)), {})
                 fulls, st.mine = self._exchange(
                     st, "a2a_to_home", dom,
-                    lambda: to_homes(packed, homes, pds, shapes, dom, fused=self.config.fused_a2a, plan=plan),
+                    lambda: to_homes(cp, homes, cpds, cshapes, dom, fused=self.config.fused_a2a, plan=plan),
                 )
         st.fulls = list(fulls) + [st.packed[j] for j, m in enumerate(mps) if m.replicated]
 
@@ -371,7 +382,8 @@ class WavePipeline:
             # fulls: the exchanged matrices homed here (positions ex[st.mine]), then the replicated ones
             mps = [self.muon[i] for i in st.items]
             ex = self._exchanged(st)[0]
-            homed = [mps[ex[j]] for j in st.mine] + [m for m in mps if m.replicated]
+            pos = [st.copies[v][0] for v in st.mine] if st.copies is not None else st.mine
+            homed = [mps[ex[x]] for x in pos] + [m for m in mps if m.replicated]
             # [Note: transposed weights] a weight stored (in, out) (HF Conv1D) is the (out, in) linear W^T: NS runs
             # on a contiguous copy of W^T, exactly the matrix torch.optim.Muon sees for the equivalent nn.Linear, and
             # the result is transposed back to the stored layout. Bitwise by construction (no op sees other values or
@@ -400,13 +412,25 @@ class WavePipeline:
             elif self._gathers(st.wave):
                 updates = [local_shard(o, pd, dom) for o, pd in zip(outs, pds)]
             else:
-                homes = [self._home(st.wave, st.items[j]) for j in ex]
+                dup = self.dup_homes.get(st.wave.index, {})
+                copies = st.copies if st.copies is not None else [(x, self._home(st.wave, st.items[j]))
+                                                                  for x, j in enumerate(ex)]
+                homes = [h for _, h in copies]
+                cp, cpds, cshapes = ([v[x] for x, _ in copies] for v in (packed, pds, shapes))
+                # a copy serves the ranks whose serving home it is; a single-homed matrix serves everyone
+                serve = [frozenset(r for r, s in enumerate(dup[st.items[ex[x]]][1]) if s == h)
+                         if st.items[ex[x]] in dup else frozenset(range(dom.size)) for x, h in copies] if dup else None
                 plan = self._route_plans.setdefault(("from", st.wave.index, tuple(st.items)), {})
-                updates = self._exchange(
+                got = self._exchange(
                     st, "a2a_from_home", dom,
-                    lambda: from_homes(outs, st.mine, packed, homes, pds, shapes, dom,
-                                       fused=self.config.fused_a2a, plan=plan),
+                    lambda: from_homes(outs, st.mine, cp, homes, cpds, cshapes, dom,
+                                       fused=self.config.fused_a2a, plan=plan, serve=serve),
                 )
+                me = dom.flat_rank
+                updates = [None] * len(ex)
+                for v, (x, _) in enumerate(copies):
+                    if serve is None or me in serve[v]:
+                        updates[x] = got[v]
             shared: list[Tensor] = []
             if ex or others:  # DP slots: every rank of the wave's replicas takes part (presence is agreed job-wide)
                 shared = self._exchange(st, "dp_share", dom, lambda: self._dp_share(st, ex, updates, others)) \
@@ -773,6 +797,7 @@ class WavePipeline:
         """The wave plan changed: route plans are per (wave, params), drop them."""
         self._route_plans.clear()
         self.gathered.clear()
+        self.dup_homes = {}
         self.teamed.clear()
 
     def close(self) -> None:

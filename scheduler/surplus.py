@@ -48,8 +48,11 @@ of the matrix first; then by rank. Everything is deterministic, so every rank co
 picks the waves whose plan gives every matrix every rank of its domain; those run as gathers (every rank receives
 every matrix of the wave, ``all_gather``), ``duplicate`` then runs each NS on every rank and ``team`` splits each
 over the domain (``overlap_muon.team_ns.team_zeropower_full`` on a group of the compute lane), and every rank keeps
-its own block: no exchange back. The general plan (``k`` of ``S`` ranks per matrix) is not run yet; the steps
-below say how the wave pipeline is meant to act on it:
+its own block: no exchange back. With fused exchanges, ``duplicate`` plans that give a matrix ``k`` of ``S`` ranks
+run too (:func:`duplicate_homes`: the exchange to the homes lists the matrix once per home, each home runs its NS,
+and the exchange back sends each rank its block from its serving home only, ``from_homes(..., serve=...)``, so a
+home receives nothing back). Teams of part of the domain are not run; the steps below say how the wave pipeline is
+meant to act on a plan in general:
 
 1. Per wave, on every rank: ``plan = plan_surplus(wave.params, wave.homes, full_shapes, S, config.surplus,
    cost_model, busy_s=...)`` (``busy_s``: e.g. the previous wave's per-home NS seconds from
@@ -77,7 +80,7 @@ from .chunks import chunk_sizes
 from .cost import _check_shape, ns_flops
 from .homes import _check_num_ranks
 
-__all__ = ["POLICIES", "CPU_GLOO", "on_every_rank", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
+__all__ = ["POLICIES", "CPU_GLOO", "on_every_rank", "duplicate_homes", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
            "team_row_counts", "serving_homes"]
 
 #: The surplus policies, in the order ``auto`` prefers them on a tie.
@@ -506,4 +509,27 @@ def on_every_rank(
         plan = plan_surplus(w.params, w.homes, {i: shapes[i] for i in w.params}, size, policy, cost_model)
         if all(a.kind == policy and len(a.ranks) == size for a in plan.assignments.values()):
             out.add(w.index)
+    return out
+
+
+def duplicate_homes(
+    waves: Sequence, shapes: Sequence[tuple[int, int]], domain_sizes: Sequence[int],
+    cost_model: SurplusCostModel | None = None, skip: set[int] | frozenset[int] = frozenset(),
+) -> dict[int, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """The ``duplicate`` plan's matrices with several homes, per wave: ``{wave: {param: (homes, serving)}}``, where
+    ``homes`` are the ranks that receive the whole matrix and run its NS (the wave's home first) and ``serving[r]``
+    is the home rank ``r`` takes its block of the result from (:func:`serving_homes`: a home serves itself, so only
+    the other ranks receive a scatter). Waves in ``skip`` (run otherwise) and single-homed matrices are left out.
+    ``ranks_per_node`` of the cost model decides which home serves whom."""
+    cm = cost_model or SurplusCostModel()
+    out: dict[int, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for w in waves:
+        size = domain_sizes[w.domain]
+        if w.index in skip or size < 2 or len(w.params) >= size:
+            continue
+        plan = plan_surplus(w.params, w.homes, {i: shapes[i] for i in w.params}, size, "duplicate", cm)
+        dup = {i: (a.ranks, tuple(serving_homes(a, size, min(cm.ranks_per_node, size))))
+               for i, a in plan.assignments.items() if a.kind == "duplicate" and len(a.ranks) > 1}
+        if dup:
+            out[w.index] = dup
     return out

@@ -217,24 +217,28 @@ def _surplus_body(rank, world, R, T, surplus, overlap):
     opt.synchronize()
     out = {n: local(p).detach().clone() for n, p in model.named_parameters()}
     gathered = sorted(opt._pipeline.gathered) + sorted(opt._pipeline.teamed)
+    partial = sorted(opt._pipeline.dup_homes)
     opt.close()
-    return out, gathered
+    return out, gathered, partial
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("R,T", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("R,T", [(1, 2), (2, 2), (1, 4)])
 def test_runtime_duplicate_is_bitwise_the_single_home_result(R, T):
     """``surplus="duplicate"``: the waves with room for every rank run as gathers (each rank NS's the wave's
-    matrices and keeps its block, nothing is scattered); params equal ``surplus="idle"`` (itself bitwise
-    torch.optim.Muon in test_parity) with ``torch.equal``."""
+    matrices and keeps its block, nothing is scattered), and the waves whose plan gives a matrix some of the ranks
+    send it to each of them, each runs its NS and only the other ranks get a scatter (from their serving home);
+    params equal ``surplus="idle"`` (itself bitwise torch.optim.Muon in test_parity) with ``torch.equal``."""
     from tests.dist_utils import run_ranks
 
     import torch
 
     idle = run_ranks(_surplus_body, R * T, R, T, "idle", True, timeout=120)
     dup = run_ranks(_surplus_body, R * T, R, T, "duplicate", True, timeout=120)
-    assert all(not g for _, g in idle) and all(g for _, g in dup), [g for _, g in dup]
-    for (a, _), (b, _) in zip(idle, dup):
+    assert all(not g and not p for _, g, p in idle) and all(g for _, g, _ in dup), [g for _, g, _ in dup]
+    if R * T == 4:  # 2-matrix waves on 4 homes: each matrix gets 2 homes, the other 2 ranks get a scatter
+        assert all(p == [0, 1] for _, _, p in dup), [p for _, _, p in dup]
+    for (a, _, _), (b, _, _) in zip(idle, dup):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -86,6 +86,7 @@ def _check_timeouts(timeouts: dict[str, list[float]], R: int, T: int, want: floa
 # ---------------------------------------------------------------------------------------------------------------
 PG_TIMEOUT_S = 10.0  # kills: a dead peer is noticed by the transport at once, long before this
 STALL_TIMEOUT_S = 5.0  # stall: only the timeout frees the others, so it sets the test's length
+SCHED_SLACK_S = 5.0  # past a timeout, the time a loaded machine may take to deliver the error (not a speed claim)
 FAULT_STEP = 1
 
 
@@ -214,7 +215,7 @@ def test_peer_fault_raises_naming_the_exchange(world, R, T, point, fused, from_e
     assert not ok1 and "exited with code 17" in str(payload1), f"rank 1 did not fault as planned: {payload1}"
     t_fault = _read(str(tmp_path / "fault_time"))
     assert t_fault is not None
-    lines = []
+    lines, kill_delays = [], []
     for rank, (ok, r) in enumerate(res):
         if rank == 1:
             continue
@@ -227,13 +228,19 @@ def test_peer_fault_raises_naming_the_exchange(world, R, T, point, fused, from_e
         lines.append(f"  rank {rank}: error {delay:6.2f} s after the fault, at {r['where']}: {exch[:1]}")
         assert exch, f"rank {rank}'s error does not name the exchange:\n" + "\n".join(r["chain"])
         if point.startswith("kill"):
-            # a dead peer: the transport notices (connection reset), well within the timeout
-            assert delay < pg_timeout, f"rank {rank} took {delay:.1f} s to notice a dead peer"
+            # Every rank raises within one group timeout of the fault (no hang). Not necessarily sooner: a rank
+            # whose exchange partner is alive but has itself failed on the dead peer (its lane then posts no more
+            # collectives) can only time out, which a loaded machine's scheduling makes possible (seen at 10.0-10.1 s
+            # with a 10 s timeout). Asserting speed would make the test fail when the machine is slow.
+            assert delay < pg_timeout + SCHED_SLACK_S, f"rank {rank} took {delay:.1f} s to notice a dead peer"
+            kill_delays.append(delay)
         else:
             # a stalled peer: only the timeout frees the others, once (later exchanges then fail at once)
             assert 0.8 * pg_timeout < delay < 1.5 * pg_timeout + 3, (
                 f"rank {rank} gave up on a stalled peer after {delay:.1f} s; the group timeout is {pg_timeout} s"
             )
+    if kill_delays:  # the ranks that exchange with the dead peer see the connection reset at once
+        assert min(kill_delays) < pg_timeout, f"no rank noticed the dead peer before the timeout: {lines}"
     print(f"\n[{world} ranks {R}x{T}, {point}, {'fused' if fused else 'two-stage'}, pg_timeout_s={pg_timeout} "
           f"({'env' if from_env else 'argument'})] spawn wall {wall:.1f} s\n" + "\n".join(lines))
 

@@ -59,28 +59,24 @@ def option_errors(config: OverlapMuonConfig) -> list[str]:
             "the same arguments and environment"]
 
 
-def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], config: OverlapMuonConfig) -> None:
-    """Every rank must plan the same waves and run the same options, or the exchanges would pair up wrongly:
-    compare a hash of the plan (``scheduler.plan_hash``) across ranks, once, at construction.
+def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave]) -> None:
+    """Every rank must plan the same waves, or the exchanges would pair up wrongly: compare a hash of the plan
+    (``scheduler.plan_hash``) across ranks, once, at construction (the options were compared before the groups
+    were made, :func:`option_errors`).
 
     Raises:
-        ValueError: on every rank, naming the first param whose place in the plan differs, or the options.
+        ValueError: on every rank, naming the first param whose place in the plan differs.
     """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     names = [m.name for m in muon]
     fps = param_fingerprints(names, [m.full_shape for m in muon], [m.partition_dim for m in muon],
                              waves)
-    options = _options(config)
     hashes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, plan_hash(fps, extra=(options,)))
+    dist.all_gather_object(hashes, plan_hash(fps))
     if len(set(hashes)) == 1:
         return
     both: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(both, (fps, names, options))
-    odd = [f"rank {r}: {b[2]}" for r, b in enumerate(both) if b[2] != both[0][2]]
-    if odd:
-        raise ValueError(f"OverlapMuon: the ranks were given different options (rank 0: {both[0][2]}; "
-                         f"{'; '.join(odd)}); every rank must pass the same arguments and environment")
+    dist.all_gather_object(both, (fps, names))
     diff = first_plan_difference([b[0] for b in both], [b[1] for b in both])
     raise ValueError(diff.message() if diff is not None else "OverlapMuon: the ranks planned different waves")

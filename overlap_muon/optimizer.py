@@ -304,7 +304,7 @@ class OverlapMuon(torch.optim.Optimizer):
                              else ns_flops(m.ns_shape, ns_steps)) for m in self._muon]
         self._recorder = ReadinessRecorder(len(self._muon)) if self.config.readiness_order == "observed" else None
         self._plan(list(reversed(range(len(self._muon)))))
-        check_plan_everywhere(self._muon, self._waves, self.config)
+        check_plan_everywhere(self._muon, self._waves)
         self._accumulating = False
         self._warned_reruns = False
         self._step_count = 0

@@ -83,7 +83,6 @@ class DPSlots:
 
     size: int  #: D, the number of replicas
     replica: int  #: this rank's replica, in [0, D)
-    domain_size: int  #: S, ranks per replica (the dense domain's size)
     group: dist.ProcessGroup  #: the D ranks at this rank's position in every replica
 
 
@@ -100,7 +99,7 @@ def dp_slot_groups(layouts: list[list[list[int]]], rank: int, timeout: Any) -> t
                          "position; put the replicate dim outside the domain's dims in the mesh")
     groups = [dist.new_group(ranks=c, timeout=timeout) for c in cols]
     wide = dist.new_group(ranks=sorted(r for f in flats for r in f), backend="gloo", timeout=timeout)
-    return DPSlots(len(flats), mine, len(flats[0]), groups[pos]), wide
+    return DPSlots(len(flats), mine, groups[pos]), wide
 
 
 @dataclass

@@ -338,6 +338,9 @@ def test_moe_gradients_match_one_process():
             grads = res[r]["grads"]
             assert grads.keys() == ref.keys()
             for n, want in ref.items():
+                # Model gradients, not the optimizer: the dispatch's all-gather/all-reduce and TP's split
+                # reductions sum in another order than one process, so the last bits differ (the optimizer's own
+                # parity is bitwise: test_moe_overlap_muon_matches_torch_muon).
                 err = float((grads[n] - want).abs().max() / want.abs().max())
                 assert err < 1e-4, f"world {world}, tp {tp}, rank {r}: {n} differs from one process by {err:.2e}"
 

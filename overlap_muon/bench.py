@@ -81,18 +81,20 @@ where it could not be measured, e.g. ``--no-baseline``):
     on domains of 8, 16 and 64 ranks. ``{model}_S{S}_lpt_max_over_mean`` and ``..._rr_max_over_mean`` (>= 1;
     1 is perfect balance).
 ``surplus``
-    The team NS kernel alone (``overlap_muon.team_ns.team_zeropower``, not the optimizer): a 2048x8192 matrix
-    (``--quick``: 512x2048) at world 2 (gloo, 1 thread per rank), each rank holding its row block, against
-    ``zeropower`` of the whole matrix on rank 0 while rank 1 waits, interleaved, each timed between barriers.
-    ``single_over_team_world2``: single-rank latency over team latency (> 1: the team is faster; the issue's goal
-    is 1.6). ``idle_over_duplicate_last_wave_world2``: the optimizer itself, one such matrix row-sharded over TP 2
-    (one wave, one surplus home), ``step()`` to its last apply with ``surplus="idle"`` over ``"duplicate"``
-    (> 1: duplicating is faster; the details say whether both gave the same params);
-    ``idle_over_team_last_wave_world2`` the same with ``"team"`` (the issue's goal: >= 1.6). The details also time the team's matmuls alone on both ranks at once (no gathers): the compute part,
-    which on a shared 2-core machine shows how much the two ranks slow each other. The details give the exactness of the team result against ``zeropower`` (bitwise or not, max abs and
-    relative Frobenius difference). ``sim_70b_{idle,best}_exposed_fraction``: :mod:`scheduler.simulate` on the
-    70B preset (TP 8, remat 8, DP 16), exposed optimizer fraction with idle surplus and with the best of
-    ``duplicate`` / ``team`` / ``auto`` at ``dp_slots`` 1 and 4 (the issue's goal: <= 0.02).
+    The team NS kernel alone (``overlap_muon.team_ns.team_zeropower_full``, not the optimizer): a 2048x8192 matrix
+    (``--quick``: 512x2048) at world 2 (gloo, 1 thread per rank), split by columns ([Note: team NS by columns])
+    and, for comparison, by rows, against ``zeropower`` of the whole matrix on rank 0 while rank 1 waits,
+    interleaved, each timed between barriers. ``single_over_team_world2``: single-rank latency over the column
+    team's (> 1: the team is faster). ``idle_over_duplicate_last_wave_world2``: the optimizer itself, one such
+    matrix row-sharded over TP 2 (one wave, one surplus home), ``step()`` to its last apply with
+    ``surplus="idle"`` over ``"duplicate"`` (> 1: duplicating is faster; the details say whether both gave the
+    same params); ``idle_over_team_last_wave_world2`` the same with ``"team"`` (the issue's goal: >= 1.6). The
+    details also time the column team's matmuls alone on both ranks at once (no collectives): the compute part,
+    which on a shared 2-core machine shows how much the two ranks slow each other; and the exactness of both
+    splits against ``zeropower`` (bitwise or not, max abs and relative Frobenius difference).
+    ``sim_70b_{idle,best}_exposed_fraction``: :mod:`scheduler.simulate` on the 70B preset (TP 8, remat 8, DP 16),
+    exposed optimizer fraction with idle surplus and with the best of ``duplicate`` / ``team`` / ``auto`` at
+    ``dp_slots`` 1 and 4 (the issue's goal: <= 0.02).
 ``peers``
     OverlapMuon side by side with torchtitan's ``DistMuon`` (FlexShard; optional, skipped with the install line
     when not importable; CPU patches and details in :mod:`overlap_muon._bench_peers`). Same model (d_model 256,
@@ -131,12 +133,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_homes
+from scheduler.surplus import team_row_counts
 
 from ._spawn import spawn_ranks
 from .domain import block_shape, local_tensor
 from .ns import SYRK_BLOCK, zeropower
 from .optimizer import OverlapMuon
-from .team_ns import team_zeropower
+from .team_ns import team_zeropower_full
 
 __all__ = ["main", "CASES", "expected_ratio_keys", "machine_info"]
 
@@ -1306,18 +1309,16 @@ def _case_balance(o: _Options) -> _CaseResult:
 
 def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, warmup: int,
                   repeats: int) -> dict[str, Any]:
-    from scheduler.surplus import team_row_counts
-
     group = dist.group.WORLD
     X = torch.randn(shape, generator=torch.Generator().manual_seed(17))  # the same matrix on every rank
     x = X.mT if shape[0] > shape[1] else X
-    counts = team_row_counts(x.size(0), world)
+    counts = team_row_counts(x.size(1), world)
     lo = sum(counts[:rank])
-    mine = x[lo : lo + counts[rank]].contiguous()
-    t_single, t_team, t_local = [], [], []
-    single = team = None
+    times: dict[str, list[float]] = {"single_s": [], "team_s": [], "team_rows_s": [], "team_compute_s": []}
+    single = team = rows = None
     xb = (x.bfloat16() / x.bfloat16().norm()).contiguous()
-    gram = xb @ xb.mT
+    xc = xb[:, lo : lo + counts[rank]].contiguous()
+    gram = xc @ xc.mT
     for r in range(warmup + repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -1325,27 +1326,30 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
             single = zeropower(X, ns_steps=steps)
         dist.barrier()  # the other ranks wait: the single-rank latency is rank 0's
         t1 = time.perf_counter()
-        team = team_zeropower(mine, group, counts, ns_steps=steps, tall=shape[0] > shape[1], gather_result=True)
+        team = team_zeropower_full(X, group, ns_steps=steps)
         dist.barrier()
         t2 = time.perf_counter()
-        # The team's matmuls alone, every rank at once, no gathers: its compute under this machine's contention.
-        xr = xb[lo : lo + counts[rank]]
-        for _ in range(steps):
-            ar = xr @ xb.mT
-            torch.addmm(xr, torch.addmm(ar, ar, gram, beta=-4.775, alpha=2.0315), xb, beta=3.4445)
+        rows = team_zeropower_full(X, group, ns_steps=steps, split="rows")
         dist.barrier()
         t3 = time.perf_counter()
+        # The column team's matmuls alone, every rank at once, no collectives: its compute under this machine's
+        # contention.
+        y = xc
+        for _ in range(steps):
+            g = y @ y.mT
+            y = torch.addmm(y, torch.addmm(gram, g, g, beta=-4.775, alpha=2.0315), y, beta=3.4445)
+        dist.barrier()
+        t4 = time.perf_counter()
         if r >= warmup:
-            t_single.append(t1 - t0)
-            t_team.append(t2 - t1)
-            t_local.append(t3 - t2)
-    out: dict[str, Any] = {"single_s": t_single, "team_s": t_team, "team_compute_s": t_local}
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                times[k].append(v)
+    out: dict[str, Any] = dict(times)
     out.update(_last_wave_latency(rank, world, X, warmup, repeats))
     if rank == 0:
-        team_full = team.mT if shape[0] > shape[1] else team
-        diff = (team_full.float() - single.float()).abs()
-        out.update(bitwise=bool(torch.equal(team_full, single)), max_abs_diff=float(diff.max()),
-                   rel_fro_diff=float(diff.norm() / single.float().norm()))
+        for key, got in (("", team), ("rows_", rows)):
+            diff = (got.float() - single.float()).abs()
+            out.update({f"{key}bitwise": bool(torch.equal(got, single)), f"{key}max_abs_diff": float(diff.max()),
+                        f"{key}rel_fro_diff": float(diff.norm() / single.float().norm())})
     return out
 
 
@@ -1403,6 +1407,7 @@ def _case_surplus(o: _Options) -> _CaseResult:
     res = _run_ranks(_surplus_rank, world, shape, steps, warmup, repeats, timeout_s=o.timeout_s)
     single = _median(_max_over_ranks([r["single_s"] for r in res]))
     team = _median(_max_over_ranks([r["team_s"] for r in res]))
+    rows = _median(_max_over_ranks([r["team_rows_s"] for r in res]))
     compute = _median(_max_over_ranks([r["team_compute_s"] for r in res]))
     ratio = _ratio(single, team)
     ex = res[0]
@@ -1421,11 +1426,14 @@ def _case_surplus(o: _Options) -> _CaseResult:
     best = sims[best_key]
     lines = [
         f"team NS of one {shape[0]}x{shape[1]} matrix, world {world} (gloo, 1 thread per rank): single rank "
-        f"{_ms(single).strip()}, team {_ms(team).strip()}, single / team = {ratio:.3f}" if ratio else "unavailable",
-        f"team's matmuls alone (both ranks at once, no gathers) {_ms(compute).strip()}: the rest of the team time, "
-        f"{_ms(max(0.0, team - compute)).strip()}, is its {2 * steps + 1} all-gathers and copies",
-        f"team vs zeropower: bitwise {ex['bitwise']}, max abs {ex['max_abs_diff']:.3g}, "
-        f"relative Frobenius {ex['rel_fro_diff']:.3g}",
+        f"{_ms(single).strip()}, team by columns {_ms(team).strip()}, single / team = {ratio:.3f}; by rows "
+        f"{_ms(rows).strip()}, single / rows = {_ratio(single, rows) or 0:.3f}" if ratio else "unavailable",
+        f"the column team's matmuls alone (both ranks at once, no collectives) {_ms(compute).strip()}: the rest of "
+        f"its time, {_ms(max(0.0, team - compute)).strip()}, is its {steps} Gram all-reduces, the norm and the "
+        "final all-gather",
+        f"team vs zeropower: by columns bitwise {ex['bitwise']}, max abs {ex['max_abs_diff']:.3g}, relative "
+        f"Frobenius {ex['rel_fro_diff']:.3g}; by rows bitwise {ex['rows_bitwise']}, max abs "
+        f"{ex['rows_max_abs_diff']:.3g}, relative Frobenius {ex['rows_rel_fro_diff']:.3g}",
         f"OverlapMuon, one {shape[0]}x{shape[1]} matrix over TP {world}, step() to last apply: surplus idle "
         f"{_ms(lw_idle).strip()}, duplicate {_ms(lw_dup).strip()}, team {_ms(lw_team).strip()}; idle / duplicate = "
         + (f"{lw_ratio:.3f}" if lw_ratio else "n/a") + ", idle / team = "
@@ -1445,7 +1453,8 @@ def _case_surplus(o: _Options) -> _CaseResult:
          "sim_70b_best_exposed_fraction": best.exposed_fraction_overlap},
         lines,
         {"shape": list(shape), "world": world, "ns_steps": steps, "repeats": repeats, "single_s": single,
-         "team_s": team, "team_compute_s": compute, "last_wave_idle_s": lw_idle, "last_wave_duplicate_s": lw_dup,
+         "team_s": team, "team_rows_s": rows, "team_compute_s": compute,
+         "rows_bitwise": ex["rows_bitwise"], "rows_rel_fro_diff": ex["rows_rel_fro_diff"], "last_wave_idle_s": lw_idle, "last_wave_duplicate_s": lw_dup,
          "last_wave_team_s": lw_team, "duplicate_equal": dup_equal, "team_max_abs_diff": team_diff,
          "surplus_used": used, "bitwise": ex["bitwise"], "max_abs_diff": ex["max_abs_diff"],
          "rel_fro_diff": ex["rel_fro_diff"], "sim_best": {"surplus": best_key[0], "dp_slots": best_key[1]},

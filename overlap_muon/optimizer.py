@@ -393,7 +393,9 @@ class OverlapMuon(torch.optim.Optimizer):
             model = None if self._pipeline.lanes.cuda else CPU_GLOO
             waves = on_every_rank(self._waves, [m.full_shape for m in self._muon], sizes, cfg.surplus, model)
             self._pipeline.gathered |= waves
-            self._pipeline.teamed |= waves if cfg.surplus == "team" else set()
+            if cfg.surplus == "team":  # a transposed or split matrix is NS'd whole (duplicated) instead
+                self._pipeline.teamed |= {w.index for w in self._waves if w.index in waves and not any(
+                    self._muon[i].transposed or self._muon[i].parts is not None for i in w.params)}
             if cfg.surplus == "duplicate" and cfg.fused_a2a:  # waves that give a matrix some of the ranks
                 self._pipeline.dup_homes = duplicate_homes(self._waves, [m.full_shape for m in self._muon],
                                                            sizes, model, skip=waves)

@@ -60,12 +60,12 @@ from scheduler.waves import Wave
 from .config import OverlapMuonConfig
 from .domain import Domain, MuonParam, local_tensor
 from .lanes import LaneHandle, Lanes
-from .layer_sharded_a2a import all_gather_full, from_homes, local_shard, to_homes
+from .layer_sharded_a2a import all_gather_full, from_homes, from_team, local_shard, to_homes, to_team
 from .muon_math import apply_update, momentum_update, momentum_update_, ns_input
 from .ns import zeropower
 from .profiling import prof_range, wave_range_name
 from .split import split_ns
-from .team_ns import team_zeropower_full
+from .team_ns import team_norms, team_zeropower_blocks
 
 __all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam", "DPSlots", "dp_slot_groups"]
 
@@ -354,6 +354,10 @@ class WavePipeline:
         with prof_range(wave_range_name(k, "a2a_to_home"), nvtx=self.config.nvtx):
             if not ex:
                 pass  # every rank has the same items (gradient presence is agreed), so every rank skips
+            elif k in self.teamed:  # [Note: team NS by columns]: each rank gets its block of the long dim
+                plan = self._route_plans.setdefault(("to_team", k, tuple(st.items)), {})
+                fulls = self._exchange(st, "a2a_to_home", dom, lambda: to_team(packed, pds, shapes, dom, plan))
+                st.mine = list(range(len(ex)))
             elif self._gathers(st.wave):
                 fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(packed, pds, shapes, dom))
                 st.mine = list(range(len(ex)))
@@ -387,10 +391,17 @@ class WavePipeline:
             # on a contiguous copy of W^T, exactly the matrix torch.optim.Muon sees for the equivalent nn.Linear, and
             # the result is transposed back to the stored layout. Bitwise by construction (no op sees other values or
             # strides than the reference's); the lr ratio uses MuonParam.ns_shape, the (out, in) shape.
-            mats = [f.T.contiguous() if m.transposed else f for f, m in zip(st.fulls, homed)]
-            ns = self._team_ns if st.wave.index in self.teamed else self._ns_many
-            outs = split_ns(mats, [m.parts for m in homed], lambda ms: wrap(ns, ms, kw) if wrap else ns(ms, kw))
-            st.outs = [o.T.contiguous() if m.transposed else o for o, m in zip(outs, homed)]
+            if st.wave.index in self.teamed:  # team blocks (no transposed or split matrix: see teamable)
+                n_ex = len(st.fulls) - sum(m.replicated for m in homed)
+                blocks = [(st.fulls[:n_ex], homed[:n_ex])]
+                team = wrap(self._team_ns, blocks, kw) if wrap else self._team_ns(blocks, kw)
+                rest = st.fulls[n_ex:]
+                st.outs = team + (wrap(self._ns_many, rest, kw) if wrap else self._ns_many(rest, kw))
+            else:
+                mats = [f.T.contiguous() if m.transposed else f for f, m in zip(st.fulls, homed)]
+                ns = self._ns_many
+                outs = split_ns(mats, [m.parts for m in homed], lambda ms: wrap(ns, ms, kw) if wrap else ns(ms, kw))
+                st.outs = [o.T.contiguous() if m.transposed else o for o, m in zip(outs, homed)]
         if self._eager_release:
             st.fulls = None
 
@@ -408,6 +419,9 @@ class WavePipeline:
         with prof_range(wave_range_name(st.wave.index, "a2a_from_home"), nvtx=self.config.nvtx):
             if not ex:
                 pass
+            elif st.wave.index in self.teamed:
+                plan = self._route_plans.setdefault(("from_team", st.wave.index, tuple(st.items)), {})
+                updates = self._exchange(st, "a2a_from_home", dom, lambda: from_team(outs, pds, shapes, dom, plan))
             elif self._gathers(st.wave):
                 updates = [local_shard(o, pd, dom) for o, pd in zip(outs, pds)]
             else:
@@ -486,13 +500,18 @@ class WavePipeline:
     def _gathers(self, wave: Wave) -> bool:
         return self.config.mode == "duplicated" or wave.index in self.gathered
 
-    def _team_ns(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
-        """NS of each (full, gathered) matrix split by rows over the domain (``surplus="team"``); every rank gets
-        the whole result. Collective over ``team_group``, in the same order on every rank."""
-        self.stats["ns_matrices"] += len(mats)
-        self.stats["ns_calls"] += len(mats)
-        kw = {k: v for k, v in kw.items() if k != "syrk"}
-        return [team_zeropower_full(m, self.team_group, **kw) for m in mats]
+    def _team_ns(self, work: list[tuple[list[Tensor], list[MuonParam]]], kw: dict[str, Any]) -> list[Tensor]:
+        """[Note: team NS by columns] The wave's team blocks (``(P, Q)`` layout, :func:`team_block`) of its
+        exchanged matrices: one norm all-reduce, then NS of all of them in lockstep, one Gram all-reduce per step.
+        Collective over ``team_group``, in the same order on every rank. ``work`` is ``[(blocks, params)]`` (one
+        entry, so that a testing wrapper sees one call)."""
+        ((blocks, mps),) = work
+        self.stats["ns_matrices"] += len(blocks)
+        self.stats["ns_calls"] += len(blocks)
+        tall = [m.full_shape[0] > m.full_shape[1] for m in mps]
+        xs = [b.mT if t else b for b, t in zip(blocks, tall)]  # oriented: columns of X (rows of a tall update)
+        outs = team_zeropower_blocks(xs, team_norms(xs, self.team_group), self.team_group, **kw)
+        return [o.mT.contiguous() if t else o for o, t in zip(outs, tall)]
 
     def _ns_many(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
         """NS of each matrix; same-shape matrices batched (no flattening across matrices)."""

@@ -1,28 +1,36 @@
-"""Team Newton-Schulz: ``k`` ranks of a process group split one matrix's NS by rows.
+"""Team Newton-Schulz: ``k`` ranks of a process group share one matrix's NS.
 
-[Note: team NS] ``torch.optim.Muon``'s iteration on the oriented ``X`` (``(m, n)``, ``m <= n``: tall matrices are
-transposed first) is ``A = X Xᵀ; B = b*A + c*A@A; X = a*X + B@X``. Split ``X`` by rows over the team, member
-``j`` holding ``X_j`` (``(m_j, n)``, ``torch.chunk`` sizes, :func:`scheduler.surplus.team_row_counts`). Row block
-``j`` of each product needs only ``X_j`` or ``A_j`` on the left and a full operand on the right::
+[Note: team NS by columns] ``torch.optim.Muon``'s iteration on the oriented ``X`` (``(m, n)``, ``m <= n``: tall
+matrices are transposed first) is ``A = X Xᵀ; B = b*A + c*A@A; X = a*X + B@X``. Split ``X`` by columns (the long
+dim) over the team, member ``j`` holding ``X_j`` (``(m, n_j)``, ``torch.chunk`` sizes). Then::
+
+    A   = sum_j X_j @ X_jᵀ                  # (m, m): each member's partial Gram, one all_reduce over the team
+    B   = addmm(A, A, A, beta=b, alpha=c)   # (m, m): every member computes it whole, from the same A
+    X_j = addmm(X_j, B, X_j, beta=a)        # (m, n_j): local, no communication
+
+so per step a member does ``n_j / n`` of the two large products (``2 m^2 n`` multiply-adds each) plus the small
+``m^3`` one, and the team all-reduces one ``m x m`` Gram: ``m/n`` of the matrix, far less than gathering it. No
+member ever needs the whole ``X``: the runtime re-lays the shards straight into these column blocks and back
+(``layer_sharded_a2a.to_team`` / ``from_team``), so a team wave has no home and no gather. The norm is the square
+root of the all-reduced sum of squares of the blocks (fp32), rounded to bf16 as ``X.norm()`` rounds it.
+
+Exactness: NOT bitwise. Each member's partial Gram is rounded to bf16 before the sum, where the reference rounds
+the full-length fp32 sum once (on a team of more than 2 the all-reduce also rounds between hops), and the norm sums
+in another order. ``tests/test_surplus.py`` bounds the resulting update (``lr * ratio * 2**-7`` per step) and
+``tests/test_team_ns.py`` measures the kernel; the bench's ``surplus`` case reports the difference with the latency.
+
+[Note: team NS by rows] The older split, :func:`team_zeropower`, keeps each member's row block ``X_j`` of ``X``::
 
     A_j = X_j @ Xᵀ                            # (m_j, m): needs the full X
     B_j = addmm(A_j, A_j, A, beta=b, alpha=c)  # (m_j, m): needs the full A  -> all-gather A_j
     X_j = addmm(X_j, B_j, X, beta=a)           # (m_j, n): needs the full X  -> all-gather X_j (next step)
 
-so each member does ``m_j / m`` of the FLOPs, and per step the team all-gathers ``A`` (``m*m`` elements) and, but
-after the last step, ``X`` (``m*n``). The input is gathered once first, so every member normalizes the whole
-matrix exactly as ``zeropower`` does (same tensor layout, so the same Frobenius norm bits).
-
-Exactness: the norm, the division and the ``a``/``b``/``c`` epilogues are the reference's. The matmuls are row
-blocks of the reference's, and a GEMM library chooses its kernel -- and the order of its fp32 accumulation -- from
-the operand shapes, so a ``(m_j, n) @ (n, m)`` product may round differently from rows of the ``(m, n) @ (n, m)``
-one (the same effect as ``overlap_muon.ns`` [Note: symmetric Gram]). The result is therefore NOT guaranteed bitwise
-equal to :func:`overlap_muon.ns.zeropower`; ``tests/test_team_ns.py`` measures the difference and the bench's
-``surplus`` case reports it with the latency.
-
-Communication: one ``all_gather`` per gather, padded to the largest row block (gloo needs equal sizes), so
-``2 * ns_steps`` all-gathers per call (``2 * ns_steps + 1`` with ``gather_result``). A ``None`` or size-1 group
-does no communication (one code path for world size 1).
+Every product is a row block of the reference's, so it is bitwise wherever the GEMM library picks the same kernel
+(and fp32 accumulation order) for the row block as for the whole product, which it need not do (the same effect as
+``overlap_muon.ns`` [Note: symmetric Gram]); but it all-gathers ``A`` and ``X`` (``m*n`` elements) every step,
+``2 * ns_steps`` all-gathers (``+1`` with ``gather_result``), which costs more than it saves unless the link is
+fast. Gathers are padded to the largest block (gloo needs equal sizes). A ``None`` or size-1 group does no
+communication (one code path for world size 1) in either split.
 """
 
 from __future__ import annotations
@@ -35,15 +43,86 @@ from torch import Tensor
 
 from scheduler.surplus import team_row_counts
 
-from .ns import DEFAULT_NS_COEFFICIENTS, Coefficients, _schedule
+from .ns import DEFAULT_NS_COEFFICIENTS, SYRK_BLOCK, Coefficients, _check_block, _schedule, sym_gram, sym_poly
 
-__all__ = ["team_zeropower", "team_zeropower_full", "team_row_counts"]
+__all__ = ["team_zeropower", "team_zeropower_full", "team_zeropower_blocks", "team_norms", "team_row_counts"]
 
 
 def _team(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def team_norms(blocks: Sequence[Tensor], group: dist.ProcessGroup | None) -> list[Tensor]:
+    """Frobenius norms of matrices split over a team, each member holding one block of each (a partition).
+
+    Collective over ``group`` (one ``all_reduce`` of a fp32 vector, every member passes as many blocks).
+
+    Args:
+        blocks: this member's block of each matrix (any shape and float dtype; cast to bf16 first, as NS casts).
+
+    Returns:
+        Per matrix, a 0-dim bf16 tensor: ``sqrt`` of the team-wide fp32 sum of squares, rounded to bf16 like
+        ``Tensor.norm`` of a bf16 matrix (whose fp32 sum runs in another order: not bitwise in general).
+    """
+    if not blocks:
+        return []
+    sums = torch.stack([b.bfloat16().float().square().sum() for b in blocks])
+    if _team(group)[0] > 1:
+        dist.all_reduce(sums, group=group)
+    return list(sums.sqrt().bfloat16().unbind(0))
+
+
+def team_zeropower_blocks(
+    blocks: Sequence[Tensor],
+    norms: Sequence[Tensor],
+    group: dist.ProcessGroup | None,
+    *,
+    ns_coefficients: Coefficients = DEFAULT_NS_COEFFICIENTS,
+    ns_steps: int = 5,
+    eps: float = 1e-7,
+    syrk: bool = False,
+    syrk_block: int = SYRK_BLOCK,
+) -> list[Tensor]:
+    """This member's column block of NS on each of several matrices split by columns; [Note: team NS by columns].
+
+    Collective over ``group``: every member passes the same number of matrices with the same ``m`` each, the same
+    coefficients and steps; per NS step one ``all_reduce`` carries the partial Grams of all of them (bf16).
+
+    Args:
+        blocks: per matrix, this member's ``(m, n_j)`` column block of the ORIENTED matrix (``m <= n``; the
+            transpose of a tall update), any float dtype (cast to bf16 as the reference casts); ``n_j`` may be 0.
+        norms: per matrix, the whole matrix's Frobenius norm (0-dim; :func:`team_norms`).
+        group: the team; ``None`` or size 1 runs alone.
+        ns_coefficients, ns_steps, eps: as :func:`overlap_muon.ns.zeropower`.
+        syrk, syrk_block: compute the partial Gram and ``b*A + c*A@A`` as symmetric block products
+            (``overlap_muon.ns.sym_gram`` / ``sym_poly``): fewer FLOPs, a further (small) rounding difference.
+
+    Returns:
+        Per matrix, bf16 ``(m, n_j)``: this member's columns of the result.
+
+    Raises:
+        ValueError: a block is not 2-D, ``norms`` does not match ``blocks``, malformed coefficients, steps or block.
+    """
+    steps = _schedule(ns_coefficients, ns_steps)
+    _check_block(syrk_block)
+    if len(norms) != len(blocks) or any(b.ndim != 2 for b in blocks):
+        raise ValueError(f"team_zeropower_blocks expects one 2-D (m, n_j) block and one norm per matrix, got shapes "
+                         f"{[tuple(b.shape) for b in blocks]} and {len(norms)} norms")
+    k = _team(group)[0]
+    xs = [b.bfloat16() / nrm.to(torch.bfloat16).clamp(min=eps) for b, nrm in zip(blocks, norms)]
+    for a, b, c in steps:
+        grams = [sym_gram(x, syrk_block) if syrk else x @ x.mT for x in xs]
+        if k > 1 and len(grams) == 1:
+            dist.all_reduce(grams[0], group=group)
+        elif k > 1 and grams:
+            flat = torch.cat([g.reshape(-1) for g in grams])
+            dist.all_reduce(flat, group=group)
+            grams = [f.view(g.shape) for f, g in zip(flat.split([g.numel() for g in grams]), grams)]
+        upds = [sym_poly(g, b, c, syrk_block) if syrk else torch.addmm(g, g, g, beta=b, alpha=c) for g in grams]
+        xs = [torch.addmm(x, u, x, beta=a) for x, u in zip(xs, upds)]
+    return xs
 
 
 def _gather_rows(block: Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> Tensor:
@@ -128,31 +207,46 @@ def team_zeropower_full(
     ns_coefficients: Coefficients = DEFAULT_NS_COEFFICIENTS,
     ns_steps: int = 5,
     eps: float = 1e-7,
+    split: str = "cols",
 ) -> Tensor:
-    """NS of a full ``(P, Q)`` matrix that every member of ``group`` holds, split by rows over the team.
+    """NS of a full ``(P, Q)`` matrix that every member of ``group`` holds, shared by the team.
 
-    Orients ``X`` like ``torch.optim.Muon`` (transpose when ``P > Q``), takes this member's rows
-    (:func:`team_row_counts`), runs :func:`team_zeropower` with ``gather_result=True`` and turns the result back.
-    Collective over ``group``.
+    Orients ``X`` like ``torch.optim.Muon`` (transpose when ``P > Q``). ``split="cols"`` ([Note: team NS by
+    columns]): each member normalizes the whole matrix as ``zeropower`` does, runs :func:`team_zeropower_blocks` on
+    its column block and the team all-gathers the blocks. ``split="rows"`` ([Note: team NS by rows]): this member's
+    rows (:func:`team_row_counts`) through :func:`team_zeropower` with ``gather_result=True``. Collective over
+    ``group``.
 
     Args:
         X: ``(P, Q)`` float tensor, the same on every member.
         group: the team; ``None`` or size 1 runs alone.
         ns_coefficients, ns_steps, eps: as :func:`overlap_muon.ns.zeropower`.
+        split: ``"cols"`` or ``"rows"``.
 
     Returns:
         bf16 ``(P, Q)``, the same on every member.
 
     Raises:
-        ValueError: ``X`` is not 2-D; malformed coefficients or steps.
+        ValueError: ``X`` is not 2-D; an unknown ``split``; malformed coefficients or steps.
     """
     if X.ndim != 2:
         raise ValueError(f"team_zeropower_full expects a (P, Q) matrix, got shape {tuple(X.shape)}")
+    if split not in ("cols", "rows"):
+        raise ValueError(f"team_zeropower_full: split must be 'cols' or 'rows', got {split!r}")
     k, j = _team(group)
     tall = X.size(0) > X.size(1)
     x = X.mT if tall else X
-    counts = team_row_counts(x.size(0), k)
+    if split == "rows":
+        counts = team_row_counts(x.size(0), k)
+        lo = sum(counts[:j])
+        out = team_zeropower(x[lo : lo + counts[j]], group, counts, ns_coefficients=ns_coefficients,
+                             ns_steps=ns_steps, eps=eps, tall=tall, gather_result=True)
+        return out.mT if tall else out
+    xb = X.bfloat16()
+    norm = (xb.mT if tall else xb).norm()  # zeropower's norm, on zeropower's layout: bitwise the same
+    counts = team_row_counts(x.size(1), k)  # torch.chunk sizes of the long dim
     lo = sum(counts[:j])
-    out = team_zeropower(x[lo : lo + counts[j]], group, counts, ns_coefficients=ns_coefficients,
-                         ns_steps=ns_steps, eps=eps, tall=tall, gather_result=True)
-    return out.mT if tall else out
+    mine = team_zeropower_blocks([x[:, lo : lo + counts[j]]], [norm], group, ns_coefficients=ns_coefficients,
+                                 ns_steps=ns_steps, eps=eps)[0]
+    full = _gather_rows(mine.mT.contiguous(), counts, group).mT  # the column blocks, as rows of the transpose
+    return full.mT if tall else full.contiguous()

@@ -75,9 +75,10 @@ balancing NS per wave, not only per step, is what would remove it.
 [Note: surplus and DP slots in the model] ``surplus`` (``scheduler.surplus``): each wave's plan is given, per
 replica, to :func:`scheduler.surplus.plan_surplus` with that module's cost model built from this config, and with
 the previous wave's per-home NS work as ``busy_s`` (conservative: as if none of it had run yet). A duplicate home
-runs the whole NS; a team member runs ``NS / (k * team_efficiency)`` plus the team's all-gathers (per step ``A``
-and ``X``, intra- or inter-node by where the members are) on its NS lane. The exchanges are then counted flow by
-flow: to-home, every rank sends its shard (a team member: its ``1/k`` row part) to every home of the matrix; back,
+runs the whole NS; a team member runs its share (``1/k`` of the two large products, all of ``A @ A``, over
+``team_efficiency``) plus the team's Gram all-reduces (one per step, intra- or inter-node by where the members are)
+on its NS lane. The exchanges are then counted flow by flow: to-home, every rank sends its shard (a team member: its
+``1/k`` column part) to every home of the matrix; back,
 a single home or team member sends to every rank, a duplicate home to the ranks it serves (its node first); a
 direction takes ``latency + max`` over ranks and directions of intra / inter bytes over their bandwidth. Modelled
 for the fused all_to_all only. ``dp_slots = D``: ``D`` DP replicas share the NS work, so a wave (still at most

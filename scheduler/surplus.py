@@ -83,7 +83,7 @@ from .cost import _check_shape, ns_flops
 from .homes import _check_num_ranks
 
 __all__ = ["POLICIES", "CPU_GLOO", "on_every_rank", "duplicate_homes", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
-           "team_row_counts", "serving_homes"]
+           "team_row_counts", "serving_homes", "every_rank_kinds"]
 
 #: The surplus policies, in the order ``auto`` prefers them on a tie.
 POLICIES: tuple[str, ...] = ("idle", "duplicate", "team", "auto")
@@ -485,31 +485,44 @@ def plan_surplus(
     return best
 
 
-def on_every_rank(
+def every_rank_kinds(
     waves: Sequence, shapes: Sequence[tuple[int, int]], domain_sizes: Sequence[int], policy: str = "duplicate",
     cost_model: SurplusCostModel | None = None,
-) -> set[int]:
-    """Indices of the waves whose ``policy`` plan (``"duplicate"`` or ``"team"``) gives every matrix of the wave
-    every rank of its domain, as that kind: the runtime's ``surplus=`` option runs exactly those (every rank
-    gathers the wave's matrices; ``duplicate``: each runs the whole NS, ``team``: the domain splits each NS by
-    rows, ``overlap_muon.team_ns``; then each keeps its own block, nothing goes back). A wave that fills its domain
-    has no surplus and stays single-homed; plans that give a matrix ``k`` of ``S`` ranks are not run
+) -> dict[int, str]:
+    """The waves whose ``policy`` plan gives every matrix of the wave every rank of its domain, all of one kind,
+    with that kind: ``{wave index: "duplicate" | "team"}``. The runtime's ``surplus=`` option runs exactly those
+    (``duplicate``: every rank gathers the wave's matrices and runs each whole NS; ``team``: the domain splits each
+    NS by columns, ``overlap_muon.team_ns``; then each keeps its own block). ``policy="auto"`` keeps the kind the
+    cost model prefers for each wave ([Note: surplus cost model]). A wave that fills its domain has no surplus and
+    stays single-homed; plans that give a matrix ``k`` of ``S`` ranks are left to :func:`duplicate_homes`
     ([Note: runtime wiring]).
 
     Args:
         waves: ``scheduler.Wave`` s (``params``, ``homes``, ``domain``).
         shapes: full ``(P, Q)`` per param index.
         domain_sizes: ranks per domain, indexed by ``Wave.domain`` (a size below 2 leaves that domain's waves out).
+        policy: ``"duplicate"``, ``"team"`` or ``"auto"``.
+        cost_model: as :func:`plan_surplus`.
     """
-    out = set()
+    out: dict[int, str] = {}
     for w in waves:
         size = domain_sizes[w.domain]
         if size < 2 or len(w.params) >= size:
             continue
         plan = plan_surplus(w.params, w.homes, {i: shapes[i] for i in w.params}, size, policy, cost_model)
-        if all(a.kind == policy and len(a.ranks) == size for a in plan.assignments.values()):
-            out.add(w.index)
+        kinds = {a.kind for a in plan.assignments.values()}
+        if len(kinds) == 1 and kinds <= {"duplicate", "team"} and all(
+                len(a.ranks) == size for a in plan.assignments.values()):
+            out[w.index] = kinds.pop()
     return out
+
+
+def on_every_rank(
+    waves: Sequence, shapes: Sequence[tuple[int, int]], domain_sizes: Sequence[int], policy: str = "duplicate",
+    cost_model: SurplusCostModel | None = None,
+) -> set[int]:
+    """Indices of the waves :func:`every_rank_kinds` gives a kind (``policy`` ``"duplicate"`` or ``"team"``)."""
+    return set(every_rank_kinds(waves, shapes, domain_sizes, policy, cost_model))
 
 
 def duplicate_homes(

@@ -45,15 +45,16 @@ stops (nothing else can shorten the wave). Matrices of equal cost thus share the
 taken in a fixed preference order: for a team, same node as the home first; for duplicates, nodes without a home
 of the matrix first; then by rank. Everything is deterministic, so every rank computes the same plan.
 
-[Note: runtime wiring] What the runtime runs today (``OVERLAP_MUON_SURPLUS``): at planning, :func:`on_every_rank`
-picks the waves whose plan gives every matrix every rank of its domain. ``duplicate`` runs those as gathers (every
+[Note: runtime wiring] What the runtime runs today (``OVERLAP_MUON_SURPLUS``): at planning,
+:func:`every_rank_kinds` picks the waves whose plan gives every matrix every rank of its domain, and the kind
+(``auto``: per wave, the cheaper of the two by the cost model). ``duplicate`` runs those as gathers (every
 rank receives every matrix of the wave, ``all_gather``, runs each NS and keeps its own block: no exchange back);
 ``team`` re-lays each matrix into column blocks of the long dim over the whole domain (``to_team``), splits each NS
 by columns (``overlap_muon.team_ns.team_zeropower_blocks`` on a group of the compute lane) and re-lays the results
-into the shards (``from_team``): no home and no gather. With fused exchanges, ``duplicate`` plans that give a matrix ``k`` of ``S`` ranks
-run too (:func:`duplicate_homes`: the exchange to the homes lists the matrix once per home, each home runs its NS,
-and the exchange back sends each rank its block from its serving home only, ``from_homes(..., serve=...)``, so a
-home receives nothing back). Teams of part of the domain are not run; the steps below say how the wave pipeline is
+into the shards (``from_team``): no home and no gather. With fused exchanges, ``duplicate`` (and ``auto``) plans
+that give a matrix ``k`` of ``S`` ranks run too (:func:`duplicate_homes`: the exchange to the homes lists the matrix
+once per home, each home runs its NS, and the exchange back sends each rank its block from its serving home only,
+``from_homes(..., serve=...)``, so a home receives nothing back). Teams of part of the domain are not run; the steps below say how the wave pipeline is
 meant to act on a plan in general:
 
 1. Per wave, on every rank: ``plan = plan_surplus(wave.params, wave.homes, full_shapes, S, config.surplus,

@@ -391,7 +391,7 @@ class WavePipeline:
             # on a contiguous copy of W^T, exactly the matrix torch.optim.Muon sees for the equivalent nn.Linear, and
             # the result is transposed back to the stored layout. Bitwise by construction (no op sees other values or
             # strides than the reference's); the lr ratio uses MuonParam.ns_shape, the (out, in) shape.
-            if st.wave.index in self.teamed:  # team blocks (no transposed or split matrix: see teamable)
+            if st.wave.index in self.teamed:  # team blocks; the optimizer teams no transposed or split matrix
                 n_ex = len(st.fulls) - sum(m.replicated for m in homed)
                 blocks = [(st.fulls[:n_ex], homed[:n_ex])]
                 team = wrap(self._team_ns, blocks, kw) if wrap else self._team_ns(blocks, kw)

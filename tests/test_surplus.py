@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from scheduler import ns_flops, plan_waves
 from scheduler.surplus import (
@@ -346,3 +347,53 @@ def test_options_that_decide_groups_differ_is_an_error_not_a_hang():
 
     for msg in run_ranks(_mixed_options_body, 2, timeout=90):
         assert "different options" in msg and "surplus='team'" in msg, msg
+
+
+@pytest.mark.timeout(240)
+def test_transposed_and_split_matrices_are_duplicated_not_teamed():
+    """A team splits one matrix's columns; a transposed (Conv1D) or split matrix is NS'd as the reference does it
+    (its transpose, or each part), so its waves are duplicated instead: bitwise equal to ``surplus="idle"``."""
+    from tests.dist_utils import run_ranks
+
+    idle = run_ranks(_fallback_body, 2, "idle", timeout=200)
+    team = run_ranks(_fallback_body, 2, "team", timeout=200)
+    for (a, _, _), (b, teamed, gathered) in zip(idle, team):
+        assert teamed == [] and gathered == [0, 1], (teamed, gathered)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _fallback_body(rank, world, surplus):
+    import torch
+    from torch import nn
+
+    from overlap_muon import OverlapMuon
+    from overlap_muon.split import QKVSplit
+    from tests.models import block
+    from tests.test_users import Conv1D
+
+    tp = dist.new_group([0, 1])
+    net = nn.Module()
+    net.conv = Conv1D(640, 640)  # stored (in, out): a transposed Muon matrix, (640, 640) full
+    net.qkv = nn.Linear(640, 768, bias=False)  # q, k, v parts of 256 rows each
+    fulls = [torch.randn(640, 640, generator=torch.Generator().manual_seed(3)),
+             torch.randn(768, 640, generator=torch.Generator().manual_seed(4))]
+    for mod, w in zip((net.conv, net.qkv), fulls):
+        mod.weight = nn.Parameter(block(w, 0, 1, 2, 0, rank).clone())
+        mod.weight.partition_dim, mod.weight.full_shape = 0, tuple(w.shape)
+    opt = OverlapMuon(net, muon_filter=lambda n, p: p.ndim == 2, tp_group=tp, split={"qkv.weight": QKVSplit(4, 4, 64)},
+                      overlap=True, surplus=surplus, lr=0.02, weight_decay=0.1)
+    for s in range(2):
+        for k, p in enumerate((net.conv.weight, net.qkv.weight)):
+            full = torch.randn(fulls[k].shape, generator=torch.Generator().manual_seed(50 * s + k))
+            p.grad = block(full, 0, 1, 2, 0, rank).contiguous()
+        net.conv.bias.grad = torch.zeros(640)
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    out = [p.detach().clone() for p in (net.conv.weight, net.qkv.weight)]
+    mi = {m.name: k for k, m in enumerate(opt._muon)}
+    waves = [opt._wave_of[mi["conv.weight"]], opt._wave_of[mi["qkv.weight"]]]
+    teamed = [k for k, w in enumerate(waves) if w in opt._pipeline.teamed]
+    gathered = [k for k, w in enumerate(waves) if w in opt._pipeline.gathered]
+    opt.close()
+    return out, teamed, gathered

@@ -35,6 +35,7 @@ from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domai
 from scheduler.surplus import CPU_GLOO, duplicate_homes, every_rank_kinds
 from scheduler.waves import Wave
 
+from . import version_fix
 from .checks import check_plan_everywhere, differs_across_ranks, option_errors, raise_everywhere
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
@@ -244,6 +245,9 @@ class OverlapMuon(torch.optim.Optimizer):
         raise_everywhere(errors)
         if self._rank == 0:
             self._log_split(adamw_groups_, all_named)
+        dtensors = [m.param for m in self._muon if isinstance(m.param, DTensor)]
+        if self.config.overlap and dtensors:  # [Note: DTensor foreach versions]: stale waves must be seen
+            version_fix.install(dtensors[0].device_mesh)
 
         # ---- runtime groups (collective over the default group) ----------------------------------------------
         timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)

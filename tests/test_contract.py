@@ -259,6 +259,10 @@ def _fsdp_tp_body(rank, world, case):
             elif case == "clip":  # an in-place gradient edit after backward (clip_grad_norm_ itself cannot mix
                 for p in model.parameters():  # TinyNet's 1-D and 2-D meshes in torch 2.13: aten.stack raises)
                     p.grad.mul_(0.5)
+            elif case == "foreach":  # [Note: DTensor foreach versions]: torch 2.13 bumps no DTensor version here
+                torch._foreach_mul_([p.grad for p in model.parameters()], 0.5)
+            elif case == "clip_value":  # torch's clip_grad_value_ clamps in place with foreach ops
+                torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
             elif case == "hyper":
                 opt.param_groups[0]["lr"] = 0.01 / (s + 1)
                 opt.param_groups[0]["momentum"] = 0.85 + 0.03 * s
@@ -273,10 +277,12 @@ def _fsdp_tp_body(rank, world, case):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["plain", "clip", "hyper", "probe"])
+@pytest.mark.parametrize("case", ["plain", "clip", "foreach", "clip_value", "hyper", "probe"])
 def test_fsdp_tp_2x2_overlap_equals_sync(case):
     """Also: a plain loop re-runs nothing (FSDP2 and TP leave the gradients alone once their hooks fired), so
-    the overlap is kept; clipping and a changed momentum re-run waves."""
+    the overlap is kept; clipping and a changed momentum re-run waves. ``foreach``/``clip_value``: bug, the
+    in-place foreach ops that torch's clipping uses moved no DTensor version counter, so the waves computed from
+    the unclipped gradients were committed silently; ``overlap_muon.version_fix`` now makes them bump it."""
     res = run_ranks(_fsdp_tp_body, 4, case, timeout=150)
     assert all(not bad for bad, _ in res), res
     assert all((reruns == 0) == (case in ("plain", "probe")) for _, reruns in res), res
@@ -408,3 +414,82 @@ def test_loss_built_from_the_params_without_a_forward_waits_at_step():
         assert torch.equal(p.detach(), q.detach())
     assert sum("no forward of the model ran" in str(w.message) for w in caught) == 1
     opt.close()
+
+
+def _clip_dtensor_tp_body(rank, world):
+    """The break test's case: TP 1x2 DTensors, a real backward, torch's clip_grad_norm_ (default foreach) between
+    backward and step; the reference gets exactly the clipped gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(16, 24, bias=False)
+            self.b = nn.Linear(24, 16, bias=False)
+
+        def forward(self, x, r):
+            return (self.a(x) * r).sum() + (self.b(r) * x).sum()
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    full = Two()
+    model = copy.deepcopy(full)
+    parallelize_module(model, mesh, {"a": ColwiseParallel(output_layouts=Replicate()),
+                                     "b": RowwiseParallel(input_layouts=Replicate())})
+    opt = OverlapMuon(model, device_mesh=mesh, overlap=True, **HP)
+    ref = torch.optim.Muon(list(full.parameters()), **HP)
+    for s in range(3):
+        gen = torch.Generator().manual_seed(s)
+        x, r = torch.randn(8, 16, generator=gen), torch.randn(8, 24, generator=gen)
+        model(x, r).backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5)
+        for p, q in zip(full.parameters(), model.parameters()):
+            p.grad = q.grad.full_tensor()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+    opt.synchronize()
+    bad = [n for (n, p), q in zip(model.named_parameters(), full.parameters()) if not torch.equal(p.full_tensor(), q)]
+    reruns = opt.stats["reruns"]
+    opt.close()
+    return bad, reruns
+
+
+@pytest.mark.timeout(120)
+def test_clip_grad_norm_of_dtensor_grads_is_exact_with_overlap():
+    """Bug (found by a break test): with DTensor gradients, torch's ``clip_grad_norm_`` scales them with
+    ``torch._foreach_mul_``, which in torch 2.13 moves neither version counter, so overlap mode committed the
+    waves computed from the unclipped gradients (1.6e-3 off ``torch.optim.Muon`` after one step). Now the
+    in-place foreach ops bump DTensor versions ([Note: DTensor foreach versions]) and those waves re-run."""
+    res = run_ranks(_clip_dtensor_tp_body, 2, timeout=90)
+    assert all(not bad and reruns > 0 for bad, reruns in res), res
+
+
+def test_version_fix_makes_foreach_bump_dtensor_versions():
+    """What the fix does, on a world-1 mesh: ``_foreach_mul_`` and ``clip_grad_norm_`` move a DTensor gradient's
+    version; values and plain tensors are untouched by it."""
+    res = run_ranks(_version_fix_body, 1, timeout=60)
+    assert res[0] == (True, True, True), res
+
+
+def _version_fix_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from overlap_muon import version_fix
+
+    mesh = init_device_mesh("cpu", (1,))
+    version_fix.install(mesh)
+    g = distribute_tensor(torch.arange(16.0).view(4, 4), mesh, [Shard(0)])
+    v = g._version
+    torch._foreach_mul_([g], 0.5)
+    p = nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+    p.grad = g
+    v2 = g._version
+    torch.nn.utils.clip_grad_norm_([p], 1e-3)
+    x = torch.arange(3.0)
+    torch._foreach_mul_([x], 2.0)
+    return (g._version > v2 > v, version_fix.foreach_bumps_dtensor_versions(mesh),
+            torch.equal(x, torch.tensor([0.0, 2.0, 4.0])))

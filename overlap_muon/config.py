@@ -78,7 +78,8 @@ class OverlapMuonConfig:
     dense-domain wave is re-laid into column blocks of each matrix's long dim and the domain splits each NS by
     columns (``overlap_muon.team_ns``: ``1/S`` of the two large products each, one Gram all-reduce per NS step;
     NOT bitwise, see there); ``auto``: per wave, the one of the two the cost model prefers (so not bitwise where it
-    picks a team); a wave holding a transposed (``Conv1D``) or split matrix is duplicated instead of teamed. With
+    picks a team); a wave holding a transposed (``Conv1D``) or split matrix is duplicated instead of teamed; not
+    combined with ``dp_slots`` (a warning says so, the waves run as ``idle``). With
     fused exchanges ``duplicate`` (and ``auto``) also run plans that give a matrix ``k`` of the
     ranks (its homes each get it and run its NS; only the other ranks get a scatter). Teams of part of the domain
     are simulated only ([Note: runtime wiring] in ``scheduler/surplus.py``)."""

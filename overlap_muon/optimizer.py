@@ -261,11 +261,15 @@ class OverlapMuon(torch.optim.Optimizer):
         experts_on = bool(expert_ids) and elayouts is not None and dist.get_world_size() > 1
         # step()'s agreement, over every rank of the job
         ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed or experts_on else None
+        dp_on = distributed and len(layouts) > 1 and self.config.dp_slots and self.config.mode == "layer_sharded"
+        if dp_on and self.config.surplus != "idle":
+            warnings.warn(f"OverlapMuon: surplus={self.config.surplus!r} is not combined with DP slots yet; the waves "
+                          "run as surplus='idle' (the replicas still share the NS work)", stacklevel=2)
         # surplus="team": the compute lane's own group over the dense domain (the exchange lanes have theirs)
-        team = domain_group(layouts, timeout, backend=None) if distributed and self.config.surplus in (
+        team = domain_group(layouts, timeout, backend=None) if distributed and not dp_on and self.config.surplus in (
             "team", "auto") else None
         dp = None
-        if distributed and len(layouts) > 1 and self.config.dp_slots and self.config.mode == "layer_sharded":
+        if dp_on:
             dp, wide = dp_slot_groups(layouts, self._rank, timeout)
             dom_to = dataclasses.replace(dom_to, ctrl_group=wide)  # presence is agreed over every replica
         edoms = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -125,12 +126,18 @@ def _titan_body(rank, world, shape, names):
     out, nsd = {}, {}
     for tag, kw in (("overlap", dict(overlap=True)), ("sync", dict(overlap=False)),
                     ("duplicated", dict(overlap=True, mode="duplicated")), ("dp_slots", dict(overlap=True, dp_slots=True)),
-                    ("dp_slots_sync", dict(overlap=False, dp_slots=True, wave_slots=None))):
+                    ("dp_slots_sync", dict(overlap=False, dp_slots=True, wave_slots=None)),
+                    ("dp_slots_team", dict(overlap=True, dp_slots=True, surplus="team"))):
         torch.manual_seed(0)
         model = TitanLike()
         _parallelize_titan(model, mesh, dp_dims)
-        opt = OverlapMuon(model, device_mesh=mesh, remat_dim="dp_shard", tp_dim="tp", adamw_kwargs=ADAMW_KW,
-                          **({"wave_slots": 2} | kw), **HP)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = OverlapMuon(model, device_mesh=mesh, remat_dim="dp_shard", tp_dim="tp", adamw_kwargs=ADAMW_KW,
+                              **({"wave_slots": 2} | kw), **HP)
+        # surplus with DP slots is not run: a warning says so where DP slots are on (a dp_replicate dim)
+        warned = any("not combined with DP slots" in str(w.message) for w in caught)
+        assert warned == (tag == "dp_slots_team" and "dp_replicate" in names), (tag, [str(w.message) for w in caught])
         ns = opt.stats
         assert opt.muon_param_names == TITAN_MUON, opt.muon_param_names
         for s in range(3):
@@ -144,7 +151,7 @@ def _titan_body(rank, world, shape, names):
         nsd[tag] = ns["ns_matrices"]
         opt.close()
     bad = {tag: [i for i, (a, b) in enumerate(zip(out["overlap"], out[tag])) if not torch.equal(a, b)]
-           for tag in ("sync", "duplicated", "dp_slots", "dp_slots_sync")}
+           for tag in ("sync", "duplicated", "dp_slots", "dp_slots_sync", "dp_slots_team")}
     return bad, dom, nsd
 
 
@@ -166,7 +173,7 @@ def test_torchtitan_named_mesh_bitwise(shape, names, domain):
     res = run_ranks(_titan_body, world, shape, names, timeout=270)
     for bad, dom, _ in res:
         assert dom == domain
-        assert bad == {"sync": [], "duplicated": [], "dp_slots": [], "dp_slots_sync": []}, bad
+        assert bad == {"sync": [], "duplicated": [], "dp_slots": [], "dp_slots_sync": [], "dp_slots_team": []}, bad
     # DP slots (dp_replicate meshes): the replicas share the NS work, each matrix is orthogonalized once per step
     # in the job instead of once per replica; without a replicate dim the option changes nothing.
     total = {tag: sum(n[tag] for _, _, n in res) for tag in ("overlap", "dp_slots", "dp_slots_sync")}

@@ -133,7 +133,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_homes
-from scheduler.surplus import team_row_counts
+from scheduler.surplus import CPU_GLOO, team_row_counts, team_splits_poly
 
 from ._spawn import spawn_ranks
 from .domain import block_shape, local_tensor
@@ -1316,6 +1316,7 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
     lo = sum(counts[:rank])
     times: dict[str, list[float]] = {"single_s": [], "team_s": [], "team_rows_s": [], "team_compute_s": []}
     single = team = rows = None
+    split_poly = team_splits_poly(tuple(X.shape), world, CPU_GLOO)  # as the runtime decides on a CPU job
     xb = (x.bfloat16() / x.bfloat16().norm()).contiguous()
     xc = xb[:, lo : lo + counts[rank]].contiguous()
     gram = xc @ xc.mT
@@ -1326,7 +1327,7 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
             single = zeropower(X, ns_steps=steps)
         dist.barrier()  # the other ranks wait: the single-rank latency is rank 0's
         t1 = time.perf_counter()
-        team = team_zeropower_full(X, group, ns_steps=steps)
+        team = team_zeropower_full(X, group, ns_steps=steps, split_poly=split_poly)
         dist.barrier()
         t2 = time.perf_counter()
         rows = team_zeropower_full(X, group, ns_steps=steps, split="rows")
@@ -1334,10 +1335,15 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
         t3 = time.perf_counter()
         # The column team's matmuls alone, every rank at once, no collectives: its compute under this machine's
         # contention.
-        y = xc
+        y, rows = xc, slice(sum(team_row_counts(x.size(0), world)[:rank]),
+                            sum(team_row_counts(x.size(0), world)[: rank + 1]))
         for _ in range(steps):
             g = y @ y.mT
-            y = torch.addmm(y, torch.addmm(gram, g, g, beta=-4.775, alpha=2.0315), y, beta=3.4445)
+            if split_poly:  # this member's rows of b*A + c*A@A only (the all-gather is left out)
+                torch.addmm(g[rows], g[rows], g, beta=-4.775, alpha=2.0315)
+                y = torch.addmm(y, gram, y, beta=3.4445)
+            else:
+                y = torch.addmm(y, torch.addmm(gram, g, g, beta=-4.775, alpha=2.0315), y, beta=3.4445)
         dist.barrier()
         t4 = time.perf_counter()
         if r >= warmup:

@@ -400,6 +400,7 @@ class OverlapMuon(torch.optim.Optimizer):
             # teams run on the dense domain's own team group; expert waves are duplicated at most
             shapes = [m.full_shape for m in self._muon]
             model = None if self._pipeline.lanes.cuda else CPU_GLOO
+            self._pipeline.surplus_model = model
             kinds = every_rank_kinds(self._waves, shapes, [self.domain.size, 1], cfg.surplus, model)
             if cfg.surplus != "team":
                 kinds |= every_rank_kinds(self._waves, shapes, [1, self.expert_domain.size], "duplicate", model)

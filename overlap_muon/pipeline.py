@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from scheduler.surplus import SurplusCostModel, team_splits_poly
 from scheduler.waves import Wave
 
 from .config import OverlapMuonConfig
@@ -266,6 +267,8 @@ class WavePipeline:
         """``surplus="duplicate"``, fused exchanges: per wave, the matrices with several homes
         (``scheduler.surplus.duplicate_homes``): each home receives the whole matrix and runs its NS, and every rank
         takes its block from its serving home (a home from itself), so only the other ranks receive a scatter."""
+        self.surplus_model: SurplusCostModel | None = None
+        """The machine figures the surplus plan was made with (``None``: ``SurplusCostModel()``'s defaults)."""
         self.teamed: set[int] = set()
         """Of :attr:`gathered`, the waves whose NS the domain splits by columns instead (``surplus="team"|"auto"``,
         on ``team_group``: ``overlap_muon.team_ns``, not bitwise): re-laid by ``to_team``/``from_team``, no gather."""
@@ -510,7 +513,9 @@ class WavePipeline:
         self.stats["ns_calls"] += len(blocks)
         tall = [m.full_shape[0] > m.full_shape[1] for m in mps]
         xs = [b.mT if t else b for b, t in zip(blocks, tall)]  # oriented: columns of X (rows of a tall update)
-        outs = team_zeropower_blocks(xs, team_norms(xs, self.team_group), self.team_group, **kw)
+        k = dist.get_world_size(self.team_group) if self.team_group is not None else 1
+        split = [team_splits_poly(m.full_shape, k, self.surplus_model) for m in mps]
+        outs = team_zeropower_blocks(xs, team_norms(xs, self.team_group), self.team_group, split_poly=split, **kw)
         return [o.mT.contiguous() if t else o for o, t in zip(outs, tall)]
 
     def _ns_many(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:

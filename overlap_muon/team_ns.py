@@ -9,7 +9,10 @@ dim) over the team, member ``j`` holding ``X_j`` (``(m, n_j)``, ``torch.chunk`` 
     X_j = addmm(X_j, B, X_j, beta=a)        # (m, n_j): local, no communication
 
 so per step a member does ``n_j / n`` of the two large products (``2 m^2 n`` multiply-adds each) plus the small
-``m^3`` one, and the team all-reduces one ``m x m`` Gram: ``m/n`` of the matrix, far less than gathering it. No
+``m^3`` one, and the team all-reduces one ``m x m`` Gram: ``m/n`` of the matrix, far less than gathering it. Where
+``m^3`` is not small (square matrices: a third of the FLOPs), each member can compute only its row block of ``B``
+and the team all-gathers it (``split_poly``; ``scheduler.surplus.team_splits_poly`` weighs the FLOPs against the
+extra collective). No
 member ever needs the whole ``X``: the runtime re-lays the shards straight into these column blocks and back
 (``layer_sharded_a2a.to_team`` / ``from_team``), so a team wave has no home and no gather. The norm is the square
 root of the all-reduced sum of squares of the blocks (fp32), rounded to bf16 as ``X.norm()`` rounds it.
@@ -93,6 +96,7 @@ def team_zeropower_blocks(
     eps: float = 1e-7,
     syrk: bool = False,
     syrk_block: int = SYRK_BLOCK,
+    split_poly: bool | Sequence[bool] = False,
 ) -> list[Tensor]:
     """This member's column block of NS on each of several matrices split by columns; [Note: team NS by columns].
 
@@ -107,6 +111,10 @@ def team_zeropower_blocks(
         ns_coefficients, ns_steps, eps: as :func:`overlap_muon.ns.zeropower`.
         syrk, syrk_block: compute the partial Gram and ``b*A + c*A@A`` as symmetric block products
             (``overlap_muon.ns.sym_gram`` / ``sym_poly``): fewer FLOPs, a further (small) rounding difference.
+        split_poly: per matrix (or one for all): each member computes only its row block of ``B = b*A + c*A@A``
+            (``team_row_counts(m, k)`` rows, in group-rank order) and the team all-gathers ``B`` (one all-gather
+            per step for all such matrices): ``1/k`` of the ``2*m**3`` FLOPs for one more collective
+            (``scheduler.surplus.team_splits_poly`` says when that pays).
 
     Returns:
         Per matrix, bf16 ``(m, n_j)``: this member's columns of the result.
@@ -119,7 +127,11 @@ def team_zeropower_blocks(
     if len(norms) != len(blocks) or any(b.ndim != 2 for b in blocks):
         raise ValueError(f"team_zeropower_blocks expects one 2-D (m, n_j) block and one norm per matrix, got shapes "
                          f"{[tuple(b.shape) for b in blocks]} and {len(norms)} norms")
-    k = _team(group)[0]
+    k, j = _team(group)
+    split = [bool(split_poly)] * len(blocks) if isinstance(split_poly, bool) else [bool(f) for f in split_poly]
+    if len(split) != len(blocks):
+        raise ValueError(f"split_poly has {len(split)} entries for {len(blocks)} matrices")
+    split = [f and k > 1 for f in split]
     xs = [b.bfloat16() / nrm.to(torch.bfloat16).clamp(min=eps) for b, nrm in zip(blocks, norms)]
     for a, b, c in steps:
         grams = [sym_gram(x, syrk_block) if syrk else x @ x.mT for x in xs]
@@ -129,9 +141,40 @@ def team_zeropower_blocks(
             flat = torch.cat([g.reshape(-1) for g in grams])
             dist.all_reduce(flat, group=group)
             grams = [f.view(g.shape) for f, g in zip(flat.split([g.numel() for g in grams]), grams)]
-        upds = [sym_poly(g, b, c, syrk_block) if syrk else torch.addmm(g, g, g, beta=b, alpha=c) for g in grams]
+        upds: list[Tensor | None] = [
+            None if sp else sym_poly(g, b, c, syrk_block) if syrk else torch.addmm(g, g, g, beta=b, alpha=c)
+            for g, sp in zip(grams, split)]
+        if any(split):
+            _split_poly(grams, split, upds, b, c, k, j, group)
         xs = [torch.addmm(x, u, x, beta=a) for x, u in zip(xs, upds)]
     return xs
+
+
+def _split_poly(grams: list[Tensor], split: list[bool], upds: list[Tensor | None], b: float, c: float, k: int,
+                j: int, group: dist.ProcessGroup | None) -> None:
+    """Fill ``upds[i]`` for the ``split`` matrices: this member's rows of ``b*A + c*A@A`` (``addmm`` on a row
+    block), then one all-gather of every member's rows of all of them (flat, padded to the largest member)."""
+    idx = [i for i, f in enumerate(split) if f]
+    counts = {i: team_row_counts(grams[i].size(0), k) for i in idx}
+    mine = []
+    for i in idx:
+        g, lo = grams[i], sum(counts[i][:j])
+        rows = g[lo : lo + counts[i][j]]
+        mine.append(torch.addmm(rows, rows, g, beta=b, alpha=c).reshape(-1))
+    sizes = [sum(counts[i][r] * grams[i].size(0) for i in idx) for r in range(k)]
+    buf = grams[idx[0]].new_zeros(max(sizes))
+    torch.cat(mine, out=buf[: sizes[j]])
+    parts = [torch.empty_like(buf) for _ in range(k)]
+    dist.all_gather(parts, buf, group=group)
+    offs = [0] * k
+    for i in idx:
+        m = grams[i].size(0)
+        blocks = []
+        for r in range(k):
+            n = counts[i][r] * m
+            blocks.append(parts[r][offs[r] : offs[r] + n].view(counts[i][r], m))
+            offs[r] += n
+        upds[i] = torch.cat(blocks, dim=0)
 
 
 def _gather_rows(block: Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> Tensor:
@@ -217,6 +260,7 @@ def team_zeropower_full(
     ns_steps: int = 5,
     eps: float = 1e-7,
     split: str = "cols",
+    split_poly: bool = False,
 ) -> Tensor:
     """NS of a full ``(P, Q)`` matrix that every member of ``group`` holds, shared by the team.
 
@@ -231,6 +275,7 @@ def team_zeropower_full(
         group: the team; ``None`` or size 1 runs alone.
         ns_coefficients, ns_steps, eps: as :func:`overlap_muon.ns.zeropower`.
         split: ``"cols"`` or ``"rows"``.
+        split_poly: with ``"cols"``, also split ``b*A + c*A@A`` by rows (:func:`team_zeropower_blocks`).
 
     Returns:
         bf16 ``(P, Q)``, the same on every member.
@@ -256,6 +301,6 @@ def team_zeropower_full(
     counts = team_row_counts(x.size(1), k)  # torch.chunk sizes of the long dim
     lo = sum(counts[:j])
     mine = team_zeropower_blocks([x[:, lo : lo + counts[j]]], [norm], group, ns_coefficients=ns_coefficients,
-                                 ns_steps=ns_steps, eps=eps)[0]
+                                 ns_steps=ns_steps, eps=eps, split_poly=split_poly)[0]
     full = _gather_rows(mine.mT.contiguous(), counts, group).mT  # the column blocks, as rows of the transpose
     return full.mT if tall else full.contiguous()

@@ -26,7 +26,8 @@ for the tapered last waves, whose exchange + NS + exchange is the optimizer time
 - NS: ``scheduler.cost.ns_flops(shape, ns_steps) / ns_flops_per_s``; a team of ``k``: ``ns_steps * (4*m*m*n / k
   + 2*m**3) / (ns_flops_per_s * team_efficiency)`` plus the all-reduces: ``ns_steps`` of the Gram
   (``m*m*dtype_bytes``), each member sending and receiving ``2 * (k-1)/k`` of it (a ring), plus ``ns_steps + 1``
-  latencies (the last for the norm's scalars).
+  latencies (the last for the norm's scalars); or, where it is faster (:func:`team_splits_poly`), ``b*A + c*A@A``
+  split by rows too (``2*m**3 / k``) at the price of one all-gather of ``B`` (``(k-1)/k`` of ``m*m``) per step.
 - To the homes: a home receives ``(S-1) * s`` (a team member ``(S-1) * s / k``, its column block of every shard).
 - Back: a single home sends ``(S-1) * s``; a team member ``(S-1) * s / k``; a duplicate home sends ``s`` to each
   rank it serves (ranks on a node with a duplicate are served there, the rest round robin over the homes).
@@ -84,7 +85,7 @@ from .cost import _check_shape, ns_flops
 from .homes import _check_num_ranks
 
 __all__ = ["POLICIES", "CPU_GLOO", "on_every_rank", "duplicate_homes", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
-           "team_row_counts", "serving_homes", "every_rank_kinds"]
+           "team_row_counts", "serving_homes", "every_rank_kinds", "team_splits_poly"]
 
 #: The surplus policies, in the order ``auto`` prefers them on a tie.
 POLICIES: tuple[str, ...] = ("idle", "duplicate", "team", "auto")
@@ -288,15 +289,34 @@ def _estimate_parts(shape: tuple[int, int], kind: str, ranks: Sequence[int], nod
             back = _link_s(intra_peers * s * share, inter_peers * s * share, cm)
         work = ns
         if kind == "team" and k > 1:
-            m, n = min(p, q), max(p, q)
             peers_same = sum(1 for g in ranks if g != h and nodes.node(g) == nodes.node(h))
-            frac_same = peers_same / (k - 1)
-            reduced = cm.ns_steps * m * m * cm.dtype_bytes * 2 * (k - 1) / k  # ring all-reduce bytes, per member
-            work = cm.ns_steps * (4 * m * m * n / k + 2 * m ** 3) / (cm.ns_flops_per_s * cm.team_efficiency)
-            work += (cm.ns_steps + 1) * cm.latency_s + max(reduced * frac_same / cm.intra_node_bytes_per_s,
-                                                           reduced * (1 - frac_same) / cm.inter_node_bytes_per_s)
+            work = _team_ns_s((p, q), k, peers_same / (k - 1), cm)[0]
         out.append((to, work, back))
     return out
+
+
+def _team_ns_s(shape: tuple[int, int], k: int, frac_same: float, cm: SurplusCostModel) -> tuple[float, bool]:
+    """Seconds of a ``k``-member team's NS of one matrix (compute + all-reduces, [Note: surplus cost model]) and
+    whether splitting ``b*A + c*A@A`` by rows (plus one all-gather of ``B`` per step) is the faster way."""
+    m, n = min(shape), max(shape)
+    rate = cm.ns_flops_per_s * cm.team_efficiency
+
+    def link(nbytes: float) -> float:
+        return max(nbytes * frac_same / cm.intra_node_bytes_per_s, nbytes * (1 - frac_same) / cm.inter_node_bytes_per_s)
+
+    gram = m * m * cm.dtype_bytes
+    base = cm.ns_steps * (4 * m * m * n / k / rate + cm.latency_s + link(2 * gram * (k - 1) / k)) + cm.latency_s
+    whole = base + cm.ns_steps * 2 * m ** 3 / rate
+    split = base + cm.ns_steps * (2 * m ** 3 / k / rate + cm.latency_s + link(gram * (k - 1) / k))
+    return (split, True) if split < whole else (whole, False)
+
+
+def team_splits_poly(shape: tuple[int, int], k: int, cost_model: SurplusCostModel | None = None) -> bool:
+    """Whether a team of ``k`` (on one node) should split ``B = b*A + c*A@A`` by rows and all-gather it, rather
+    than have every member compute all of it (``overlap_muon.team_ns`` [Note: team NS by columns]): the
+    ``2*m**3 * (k-1)/k`` FLOPs saved per step against one all-gather of ``(k-1)/k`` of the ``m x m`` ``B``."""
+    _check_shape(shape)
+    return k > 1 and _team_ns_s(tuple(shape), k, 1.0, cost_model or SurplusCostModel())[1]
 
 
 def _estimate(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes, cm: SurplusCostModel) -> float:

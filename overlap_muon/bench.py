@@ -1335,12 +1335,12 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
         t3 = time.perf_counter()
         # The column team's matmuls alone, every rank at once, no collectives: its compute under this machine's
         # contention.
-        y, rows = xc, slice(sum(team_row_counts(x.size(0), world)[:rank]),
-                            sum(team_row_counts(x.size(0), world)[: rank + 1]))
+        y, brows = xc, slice(sum(team_row_counts(x.size(0), world)[:rank]),
+                             sum(team_row_counts(x.size(0), world)[: rank + 1]))
         for _ in range(steps):
             g = y @ y.mT
             if split_poly:  # this member's rows of b*A + c*A@A only (the all-gather is left out)
-                torch.addmm(g[rows], g[rows], g, beta=-4.775, alpha=2.0315)
+                torch.addmm(g[brows], g[brows], g, beta=-4.775, alpha=2.0315)
                 y = torch.addmm(y, gram, y, beta=3.4445)
             else:
                 y = torch.addmm(y, torch.addmm(gram, g, g, beta=-4.775, alpha=2.0315), y, beta=3.4445)

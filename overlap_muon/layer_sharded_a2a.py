@@ -1019,37 +1019,35 @@ def _relayout(what: str, inputs: Sequence[Tensor], pds: Sequence[int | None], fu
     me = domain.flat_rank
     sig = (("op", what), ("grid", (R, T, me)), ("partition_dims", tuple(pds)), ("full_shapes", tuple(fulls)))
 
-    def shard(i: int, f: int) -> tuple[int, int, int, int] | None:
-        # partition_dim None: every TP rank holds a copy; the t = 0 copy is the one sent
-        if to_team_layout and pds[i] is None and f % T != 0:
+    def src(i: int, f: int) -> tuple[int, int, int, int] | None:
+        """The rectangle of matrix ``i`` that rank ``f`` sends from (``None``: it sends none)."""
+        if not to_team_layout:
+            return team_block(fulls[i], W, f)
+        if pds[i] is None and f % T != 0:  # partition_dim None: TP ranks hold copies; the t = 0 copy is sent
             return None
         return block(fulls[i], pds[i], R, T, *divmod(f, T))
 
-    def src_dst(i: int, f: int) -> tuple:
-        """(what rank ``f`` sends this matrix from, what it receives into) in this direction."""
-        return (shard(i, f), team_block(fulls[i], W, f)) if to_team_layout else (team_block(fulls[i], W, f),
-                                                                               block(fulls[i], pds[i], R, T,
-                                                                                     *divmod(f, T)))
+    def dst(i: int, f: int) -> tuple[int, int, int, int]:
+        """The rectangle of matrix ``i`` that rank ``f`` receives into."""
+        return team_block(fulls[i], W, f) if to_team_layout else block(fulls[i], pds[i], R, T, *divmod(f, T))
 
     def build(sig: tuple) -> _Route:
         send, recv = _Packer(W), _Packer(W)
         pieces: list[list[_Piece]] = [[] for _ in fulls]
-        for f in range(W):
+        for f in range(W):  # _Packer wants peers in increasing order
             for i in range(len(fulls)):
-                mine, theirs = src_dst(i, me)[0], src_dst(i, f)[1]
-                x = _overlap(mine, theirs) if mine is not None else None
+                mine = src(i, me)
+                x = _overlap(mine, dst(i, f)) if mine is not None else None
                 if x is not None:
                     send.add(f, i, (x[1], x[3]), _within(x, mine))
         for f in range(W):
             for i in range(len(fulls)):
-                theirs, mine = src_dst(i, f)[0], src_dst(i, me)[1]
+                theirs, mine = src(i, f), dst(i, me)
                 x = _overlap(theirs, mine) if theirs is not None else None
-                if x is not None:
-                    p = recv.add(f, i, (x[1], x[3]), _within(x, mine))
-                    if p is not None:
-                        pieces[i].append(p)
-        outs = tuple(_Out((src_dst(i, me)[1][1], src_dst(i, me)[1][3]), None, tuple(pieces[i]))
-                     for i in range(len(fulls)))
+                p = recv.add(f, i, (x[1], x[3]), _within(x, mine)) if x is not None else None
+                if p is not None:
+                    pieces[i].append(p)
+        outs = tuple(_Out((dst(i, me)[1], dst(i, me)[3]), None, tuple(pieces[i])) for i in range(len(fulls)))
         return _Route(sig, tuple(send.splits), tuple(recv.splits), tuple(send.pieces), outs)
 
     route = _cached(plan, what, sig, build)

@@ -12,10 +12,10 @@ so per step a member does ``n_j / n`` of the two large products (``2 m^2 n`` mul
 ``m^3`` one, and the team all-reduces one ``m x m`` Gram: ``m/n`` of the matrix, far less than gathering it. Where
 ``m^3`` is not small (square matrices: a third of the FLOPs), each member can compute only its row block of ``B``
 and the team all-gathers it (``split_poly``; ``scheduler.surplus.team_splits_poly`` weighs the FLOPs against the
-extra collective). No
-member ever needs the whole ``X``: the runtime re-lays the shards straight into these column blocks and back
-(``layer_sharded_a2a.to_team`` / ``from_team``), so a team wave has no home and no gather. The norm is the square
-root of the all-reduced sum of squares of the blocks (fp32), rounded to bf16 as ``X.norm()`` rounds it.
+extra collective). No member ever needs the whole ``X``: the runtime re-lays the shards straight into these column
+blocks and back (``layer_sharded_a2a.to_team`` / ``from_team``), so a team wave has no home and no gather. The norm
+is the square root of the all-reduced sum of squares of the blocks (:func:`team_norms`), rounded to bf16 as
+``X.norm()`` rounds it.
 
 Exactness: NOT bitwise. Each member's partial Gram is rounded to bf16 before the sum, where the reference rounds
 the full-length fp32 sum once (on a team of more than 2 the all-reduce also rounds between hops), and the norm sums

@@ -245,9 +245,9 @@ class OverlapMuon(torch.optim.Optimizer):
         raise_everywhere(errors)
         if self._rank == 0:
             self._log_split(adamw_groups_, all_named)
-        dtensors = [m.param for m in self._muon if isinstance(m.param, DTensor)]
-        if self.config.overlap and dtensors:  # [Note: DTensor foreach versions]: stale waves must be seen
-            version_fix.install(dtensors[0].device_mesh)
+        if self.config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
+            dtensors = [m.param for m in self._muon if isinstance(m.param, DTensor)]
+            version_fix.install(dtensors[0].device_mesh if dtensors else None)
 
         # ---- runtime groups (collective over the default group) ----------------------------------------------
         timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)

@@ -1,23 +1,29 @@
-"""In-place foreach ops on DTensors bump version counters, so overlap mode sees a ``clip_grad_norm_``.
+"""Gradient edits that torch makes without moving a version counter, made visible to overlap mode.
 
 [Note: DTensor foreach versions] Overlap mode computes a wave from the gradients as backward leaves them and, at
 ``step()``, re-runs every wave whose gradients changed since: it compares each gradient's ``_version`` (and its
-local tensor's) with the values it saw at launch (``pipeline.WavePipeline.stale``). torch (2.13 and earlier)
-does not bump a DTensor's version counter for in-place *foreach* ops: ``torch._foreach_mul_([dt], c)`` changes
-the local tensor and leaves both counters where they were (upstream: pytorch/pytorch#197502, open when this was
-written). ``torch.nn.utils.clip_grad_norm_`` (default ``foreach``), ``clip_grad_value_`` and
-``torch.amp.GradScaler.unscale_`` all edit gradients that way, so an FSDP2/TP user who clips between ``backward()``
-and ``step()`` would get updates computed from the unclipped gradients: a silent difference from
-``torch.optim.Muon``.
+local tensor's) with the values it saw at launch (``pipeline.WavePipeline.stale``). torch 2.13 edits gradients
+in place without moving any version counter in two places that sit exactly between ``backward()`` and ``step()``:
 
-:func:`install` wraps the in-place foreach functions of the ``torch`` namespace (``torch._foreach_*_`` and
-``torch._amp_foreach_non_finite_check_and_unscale_``, the names torch's own clipping, unscaling and optimizers
-call) so that, after the original op, the DTensors of the mutated list (the first argument) get their version
-counters incremented (``torch.autograd.graph.increment_version``), which is what the non-foreach ``Tensor.mul_``
-already does and what the upstream fix does inside DTensor's dispatch. Nothing else changes: same op, same values,
-no communication, no host-device sync. It is installed only where it is needed (``OverlapMuon(overlap=True)`` with
-DTensor Muon params) and only when :func:`foreach_bumps_dtensor_versions` finds the bug, once per process.
-Calls that reach the ops from C++ (``torch.ops.aten._foreach_mul_``, fused optimizer kernels) are not covered.
+* in-place *foreach* ops on DTensors: ``torch._foreach_mul_([dt], c)`` changes the local tensor and leaves both
+  counters alone (upstream: pytorch/pytorch#197502, open when this was written). ``clip_grad_norm_`` (default
+  ``foreach``) and ``clip_grad_value_`` edit gradients that way;
+* ``torch._amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler.unscale_``) on any tensor, plain
+  ones included: the op has no version-counting kernel.
+
+Unseen, either would commit updates computed from the unclipped or still-scaled gradients: a silent difference
+from ``torch.optim.Muon``. :func:`install` wraps those functions of the ``torch`` namespace, which is where torch's
+clipping, unscaling and optimizers look them up at call time, so that after the original op the mutated tensors (the
+first argument's list: its DTensors for the foreach ops, every tensor for the unscale op) get their version counters
+incremented (``torch.autograd.graph.increment_version``), as the non-foreach ``Tensor.mul_`` already does. The op,
+its values and its arguments are unchanged; no communication, no host-device sync. Each wrapper is registered as the
+same TorchScript builtin as the function it wraps (``torch.jit.script`` keeps compiling calls to it) and is found
+under its own name (``pickle`` works). :func:`install` runs for ``OverlapMuon(overlap=True)``, once per process,
+and wraps only what a probe finds broken (the DTensor part only with DTensor Muon params).
+
+Not covered: the same ops reached from C++ or through ``torch.ops.aten`` / ``torch._C._VariableFunctions``, and
+edits through ``Tensor.data`` (a separate version counter by design: ``p.grad.data.mul_(c)`` is invisible to autograd
+and to overlap mode alike; edit ``p.grad`` itself).
 """
 
 from __future__ import annotations
@@ -28,66 +34,90 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["foreach_bumps_dtensor_versions", "install", "installed", "INPLACE_FOREACH"]
+__all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions", "install",
+           "installed"]
 
-#: The in-place foreach functions of the ``torch`` namespace that get wrapped (those present in this torch).
-INPLACE_FOREACH: tuple[str, ...] = tuple(
-    n for n in dir(torch) if (n.startswith("_foreach_") and n.endswith("_")) or n == "_amp_foreach_non_finite_check_and_unscale_"
-)
+#: The in-place foreach functions of the ``torch`` namespace (those present in this torch).
+FOREACH_INPLACE: tuple[str, ...] = tuple(n for n in dir(torch) if n.startswith("_foreach_") and n.endswith("_"))
+#: GradScaler's unscale op.
+AMP_UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
 
 _lock = threading.Lock()
-_installed = False
+_done: set[str] = set()  # "dtensor_foreach", "amp_unscale": the fixes in place in this process
 
 
 def foreach_bumps_dtensor_versions(mesh: Any) -> bool:
     """Whether ``torch._foreach_mul_`` moves a DTensor's version counter (a probe on a 1-element replicated
-    DTensor of ``mesh``'s device type; no collective, nothing shared). False on torch 2.13."""
+    DTensor of ``mesh``'s device type; no collective). False on torch 2.13 (without :func:`install`)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    local = torch.zeros(1, device=mesh.device_type)
-    probe = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    probe = DTensor.from_local(torch.zeros(1, device=mesh.device_type), mesh, [Replicate()] * mesh.ndim,
+                               run_check=False)
     before = probe._version
     with torch.no_grad():
         torch._foreach_mul_([probe], 1.0)
     return probe._version != before
 
 
-def _bumping(fn: Callable[..., Any]) -> Callable[..., Any]:
-    from torch.distributed.tensor import DTensor
+def unscale_bumps_versions() -> bool:
+    """Whether GradScaler's unscale op moves a (CPU) tensor's version counter. False on torch 2.13."""
+    t, found, inv = torch.zeros(1), torch.zeros(1), torch.ones(1)
+    before = t._version
+    getattr(torch, AMP_UNSCALE)([t], found, inv)
+    return t._version != before
+
+
+def _bumping(name: str, fn: Callable[..., Any], which: Callable[[Any], bool]) -> Callable[..., Any]:
+    """``fn`` followed by a version bump of the tensors ``t`` of its first argument with ``which(t)``."""
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = fn(self, *args, **kwargs)
-        mutated = [t for t in self if isinstance(t, DTensor)] if isinstance(self, (list, tuple)) else []
+        mutated = [t for t in self if which(t)] if isinstance(self, (list, tuple)) else []
         if mutated:
             torch.autograd.graph.increment_version(mutated)
         return out
 
-    wrapper.__overlap_muon_version_fix__ = True  # type: ignore[attr-defined]
+    wrapper.__module__, wrapper.__qualname__, wrapper.__name__ = "torch", name, name  # pickled as torch.<name>
+    wrapper.__overlap_muon_version_fix__ = fn  # type: ignore[attr-defined]
+    try:
+        from torch.jit._builtins import _find_builtin, _register_builtin
+
+        op = _find_builtin(fn)
+        if op is not None:
+            _register_builtin(wrapper, op)  # TorchScript compiles a call to the wrapper as the op itself
+    except Exception:  # pragma: no cover - TorchScript internals differ: scripting these calls is then unsupported
+        pass
     return wrapper
 
 
-def install(mesh: Any) -> bool:
-    """Wrap :data:`INPLACE_FOREACH` (see [Note: DTensor foreach versions]) unless torch already bumps DTensor
-    versions for them (probed on ``mesh``) or it is already installed. Idempotent and thread safe.
+def _wrap(names: tuple[str, ...], which: Callable[[Any], bool]) -> None:
+    for name in names:
+        fn = getattr(torch, name, None)
+        if fn is not None and not hasattr(fn, "__overlap_muon_version_fix__"):
+            setattr(torch, name, _bumping(name, fn, which))
+
+
+def install(mesh: Any = None) -> set[str]:
+    """Put in place the fixes of [Note: DTensor foreach versions] that this torch needs: the unscale op's always
+    (probed on CPU), the DTensor foreach ops' when ``mesh`` (the DeviceMesh of DTensor Muon params) is given.
+    Idempotent and thread safe.
 
     Returns:
-        True if the wrappers are in place after the call (installed now or earlier), False if torch needs none.
+        The fixes in place in this process after the call: a subset of ``{"amp_unscale", "dtensor_foreach"}``.
     """
-    global _installed
     with _lock:
-        if _installed:
-            return True
-        if foreach_bumps_dtensor_versions(mesh):
-            return False
-        for name in INPLACE_FOREACH:
-            fn = getattr(torch, name)
-            if not getattr(fn, "__overlap_muon_version_fix__", False):
-                setattr(torch, name, _bumping(fn))
-        _installed = True
-        return True
+        if "amp_unscale" not in _done and not unscale_bumps_versions():
+            _wrap((AMP_UNSCALE,), lambda t: isinstance(t, torch.Tensor))
+            _done.add("amp_unscale")
+        if mesh is not None and "dtensor_foreach" not in _done and not foreach_bumps_dtensor_versions(mesh):
+            from torch.distributed.tensor import DTensor
+
+            _wrap(FOREACH_INPLACE, lambda t: isinstance(t, DTensor))
+            _done.add("dtensor_foreach")
+        return set(_done)
 
 
-def installed() -> bool:
-    """Whether :func:`install` wrapped the foreach functions in this process."""
-    return _installed
+def installed() -> set[str]:
+    """The fixes :func:`install` put in place in this process."""
+    return set(_done)

@@ -63,6 +63,31 @@ def test_clip_grad_norm_after_backward_is_exact():
     opt.close()
 
 
+def test_grad_scaler_unscale_is_exact():
+    """Bug (found by a break test): ``GradScaler.unscale_`` divides the gradients with
+    ``torch._amp_foreach_non_finite_check_and_unscale_``, which moves no version counter in torch 2.13, even on
+    plain tensors, so overlap mode committed the waves computed from the still-scaled gradients (4.2e-3 off
+    ``torch.optim.Muon`` at step 1, no re-run). Now the op bumps them ([Note: DTensor foreach versions])."""
+    model, opt, ref, mu, aw = _pair()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    for s in range(3):
+        scaler.scale(model(X[s]).pow(2).mean()).backward()
+        scaler.unscale_(opt)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()  # the reference gets exactly the unscaled gradients
+        scaler.step(opt)
+        scaler.update()
+        mu.step()
+        aw.step()
+        opt.zero_grad()
+        mu.zero_grad()
+        aw.zero_grad()
+    opt.synchronize()
+    assert not _equal(model, ref)
+    assert opt.stats["reruns"] > 0
+    opt.close()
+
+
 def test_lr_and_momentum_set_after_backward_are_used():
     """Bug: lr changed 0.02 -> 0.01 after backward, the update had the norm of lr 0.02 (modded-nanogpt's schedule
     and momentum warm-up set both between backward and step)."""
@@ -469,9 +494,10 @@ def test_clip_grad_norm_of_dtensor_grads_is_exact_with_overlap():
 
 def test_version_fix_makes_foreach_bump_dtensor_versions():
     """What the fix does, on a world-1 mesh: ``_foreach_mul_`` and ``clip_grad_norm_`` move a DTensor gradient's
-    version; values and plain tensors are untouched by it."""
+    version, the unscale op moves a plain tensor's; values are untouched; TorchScript still compiles calls to the
+    wrapped functions and pickle still finds them (a break test found both broken by the first version)."""
     res = run_ranks(_version_fix_body, 1, timeout=60)
-    assert res[0] == (True, True, True), res
+    assert res[0] == (True, True, True, True, True, True), res
 
 
 def _version_fix_body(rank, world):
@@ -491,5 +517,18 @@ def _version_fix_body(rank, world):
     torch.nn.utils.clip_grad_norm_([p], 1e-3)
     x = torch.arange(3.0)
     torch._foreach_mul_([x], 2.0)
+    y = torch.ones(2)
+    vy = y._version
+    torch._amp_foreach_non_finite_check_and_unscale_([y], torch.zeros(1), torch.full((1,), 0.5))
+
+    def halve(xs: list[torch.Tensor]) -> None:
+        torch._foreach_mul_(xs, 0.5)
+
+    scripted = torch.jit.script(halve)
+    z = [torch.ones(2)]
+    scripted(z)
+    import pickle
+
     return (g._version > v2 > v, version_fix.foreach_bumps_dtensor_versions(mesh),
-            torch.equal(x, torch.tensor([0.0, 2.0, 4.0])))
+            torch.equal(x, torch.tensor([0.0, 2.0, 4.0])), y._version > vy and torch.equal(y, torch.full((2,), 0.5)),
+            torch.equal(z[0], torch.full((2,), 0.5)), pickle.loads(pickle.dumps(torch._foreach_mul_)) is torch._foreach_mul_)

@@ -177,7 +177,9 @@ def test_team_is_as_accurate_as_the_bitwise_path(world):
     1 to 256). Measured on the Intel AMX machine at 2 and 4 ranks, shapes 640^2, 1536x384, 384x1536, 701x333: at
     most 1.17x (full rank), 1.01x (low rank), where the bitwise path itself is 1.1% (full rank) to 164% (rank 1)
     away from float64 in relative Frobenius norm, so the two differ from each other by up to 17% on low-rank
-    inputs: the bf16 rounding noise that NS amplifies outside the input's span, not a loss of accuracy."""
+    inputs here (23% at rank 2 in a break test): the bf16 rounding noise that NS amplifies outside the input's span,
+    not a loss of accuracy. The statement is for matrices of hundreds of rows (what the cost model teams); below 64
+    rows the ratio reached 2.9x in a break test (20 seeds, 5x7 to 24x24)."""
     cases = [((384, 1536), 1), ((384, 1536), None), ((701, 333), 4), ((701, 333), 256), ((333, 701), None)]
     ratios = run_ranks(_accuracy_body, world, cases, timeout=150)[0]
     assert all(r <= 1.25 for r in ratios), list(zip(cases, ratios))

@@ -202,7 +202,7 @@ def team_zeropower(
     tall: bool = False,
     gather_result: bool = False,
 ) -> Tensor:
-    """This member's share of NS on one matrix split by rows over ``group``; see [Note: team NS].
+    """This member's share of NS on one matrix split by rows over ``group``; see [Note: team NS by rows].
 
     Collective over ``group``: every member calls it with the same ``row_counts``, coefficients and steps.
 

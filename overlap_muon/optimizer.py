@@ -491,12 +491,21 @@ class OverlapMuon(torch.optim.Optimizer):
         """
         if self._at_boundary:
             return
+        model = self._model_ref()
+        if model is not None and type(model).__module__.startswith("torch.nn."):
+            # torch.compile wraps a torch.nn class's whole __call__ (its hooks included) instead of its forward
+            raise RuntimeError(
+                f"OverlapMuon (overlap=True): torch.compile(model) of a torch.nn {type(model).__name__} traces the "
+                "model's forward hooks too (torch compiles a torch.nn class's whole __call__, not only its forward), "
+                "so no forward wait can run eagerly and the compiled forward could read weights before their update "
+                "lands. Use model.compile() (the hooks then run eagerly), compile its children, or overlap=False."
+            )
         raise RuntimeError(
             "OverlapMuon (overlap=True): torch.compile traces a module's forward wait, but no compiled module of the "
             "model ran its wait eagerly first (the model is compiled from outside, e.g. torch.compile of a function "
             "that calls it), so the compiled forward could read weights before their update lands. Supported: "
-            "per-block block.compile() / torch.compile(block), and model.compile() / torch.compile(model); or use "
-            "overlap=False."
+            "per-block block.compile() / torch.compile(block), model.compile(), and torch.compile(model) of a model "
+            "class of your own; or use overlap=False."
         )
 
     def _sync_hook(self, *_: Any) -> None:

@@ -149,3 +149,29 @@ def test_compiled_blocks_fsdp2_world2(how):
     for bad, g_on, g_off, waits in run_ranks(_fsdp_body, 2, how, timeout=270):
         assert not bad, bad
         assert g_on == g_off >= 1 and waits > 0
+
+
+@pytest.mark.timeout(120)
+def test_compiled_torch_nn_container_names_the_fix():
+    """Found by a new-user test: ``torch.compile(nn.Sequential(...))`` compiles the container's whole ``__call__``
+    (torch does so for torch.nn classes), hooks included, so no wait runs eagerly: the error now says so and names
+    ``model.compile()``, which works (bitwise equal to overlap off)."""
+    def run(how: str, overlap: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(D, D, bias=False), nn.Tanh(), nn.Linear(D, D, bias=False))
+        opt = OverlapMuon(model, overlap=overlap, adamw_kwargs=ADAMW_KW, **HP)
+        call = torch.compile(model, backend="aot_eager") if how == "wrap" else model
+        if how == "method":
+            model.compile(backend="aot_eager")
+        for s in range(3):
+            call(torch.randn(4, D, generator=torch.Generator().manual_seed(s))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    with pytest.raises(Exception, match=r"torch.nn Sequential.*model.compile\(\)"):
+        run("wrap", True)
+    assert all(torch.equal(a, b) for a, b in zip(run("method", True), run("none", False)))

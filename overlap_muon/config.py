@@ -157,7 +157,10 @@ def resolve_config(environ: Mapping[str, str] | None = None, **overrides: Any) -
     env = os.environ if environ is None else environ
     unknown = set(overrides) - set(ENV_VARS)
     if unknown:
-        raise TypeError(f"unknown OverlapMuon options {sorted(unknown)}; known: {sorted(ENV_VARS)}")
+        adamw = sorted(unknown & {"betas", "amsgrad", "maximize", "capturable", "differentiable", "fused", "foreach"})
+        hint = (f"; {adamw} are AdamW settings: pass them as adamw_kwargs={{...}} (they apply to the non-Muon params)"
+                if adamw else "")
+        raise TypeError(f"unknown OverlapMuon options {sorted(unknown)}; known: {sorted(ENV_VARS)}{hint}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for f in _fields():

@@ -406,8 +406,10 @@ def describe_param(
             )
         elif R > 1 and not _is_strided_or_shard0(remat_pl):
             return None, (
-                f"Muon param {name!r} (shape {full}) has placement {remat_pl} on the remat dim; expected "
-                "Shard(0) (FSDP2 fully_shard)"
+                f"Muon param {name!r} (shape {full}) has placement {remat_pl} on the remat dim {remat_name!r}; "
+                "expected Shard(0) (FSDP2 fully_shard)"
+                + (f". If {remat_name!r} is your tensor-parallel dim, name it: OverlapMuon(..., tp_dim={remat_name!r})"
+                   if T == 1 else "")
             )
         elif (R > 1 and T > 1 and isinstance(tp_pl, Shard) and tp_pl.dim == 0
               and not isinstance(remat_pl, _StridedShard)):

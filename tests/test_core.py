@@ -265,3 +265,9 @@ def _bad_inputs(rank, world):
 def test_bad_input_raises_on_every_rank():
     res = run_ranks(_bad_inputs, 2, timeout=100)
     assert all(all(r) for r in res), res
+
+
+def test_adamw_setting_passed_as_an_option_points_to_adamw_kwargs():
+    """Found by a new-user test: ``OverlapMuon(model, betas=...)`` listed the runtime options only."""
+    with pytest.raises(TypeError, match=r"\['betas'\] are AdamW settings: pass them as adamw_kwargs"):
+        OverlapMuon(nn.Linear(4, 4), betas=(0.9, 0.95))

@@ -584,3 +584,25 @@ def test_many_param_errors_are_counted_not_listed():
     model = nn.Sequential(*[nn.LayerNorm(4) for _ in range(12)])
     with pytest.raises(ValueError, match=r"Muon needs a real 2-D matrix; and 16 more$"):
         OverlapMuon(model, muon_filter=lambda n, p: True)
+
+
+def _tp_dim_named_otherwise_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("model",))
+    m = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
+    parallelize_module(m, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    try:
+        OverlapMuon(m, device_mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_tp_mesh_dim_with_another_name_says_tp_dim():
+    """Found by a new-user test: a 1-D TP mesh named "model" is read as the remat dim (documented), and the error
+    suggested FSDP2's layout only; it now names ``tp_dim=`` as well."""
+    for msg in run_ranks(_tp_dim_named_otherwise_body, 2, timeout=50):
+        assert "on the remat dim 'model'" in msg and "tp_dim='model'" in msg, msg

@@ -1349,7 +1349,7 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
         if r >= warmup:
             for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 times[k].append(v)
-    out: dict[str, Any] = dict(times)
+    out: dict[str, Any] = dict(times, split_poly=split_poly)
     out.update(_last_wave_latency(rank, world, X, warmup, repeats))
     if rank == 0:
         for key, got in (("", team), ("rows_", rows)):
@@ -1435,8 +1435,8 @@ def _case_surplus(o: _Options) -> _CaseResult:
         f"{_ms(single).strip()}, team by columns {_ms(team).strip()}, single / team = {ratio:.3f}; by rows "
         f"{_ms(rows).strip()}, single / rows = {_ratio(single, rows) or 0:.3f}" if ratio else "unavailable",
         f"the column team's matmuls alone (both ranks at once, no collectives) {_ms(compute).strip()}: the rest of "
-        f"its time, {_ms(max(0.0, team - compute)).strip()}, is its {steps} Gram all-reduces, the norm and the "
-        "final all-gather",
+        f"its time, {_ms(max(0.0, team - compute)).strip()}, is its {steps} Gram all-reduces"
+        + (f", {steps} all-gathers of B" if ex["split_poly"] else "") + ", the norm and the final all-gather",
         f"team vs zeropower: by columns bitwise {ex['bitwise']}, max abs {ex['max_abs_diff']:.3g}, relative "
         f"Frobenius {ex['rel_fro_diff']:.3g}; by rows bitwise {ex['rows_bitwise']}, max abs "
         f"{ex['rows_max_abs_diff']:.3g}, relative Frobenius {ex['rows_rel_fro_diff']:.3g}",

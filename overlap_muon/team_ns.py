@@ -24,9 +24,9 @@ against NS in float64 (what both approximate) its error is at most 1.25x the bit
 1.17x at 333 to 640 rows; ``tests/test_team_ns.py``); tiny matrices do worse (up to 2.9x below 64 rows, measured by
 a break test over 20 seeds). How far the two are from each other depends on the input: about 1% (relative
 Frobenius) for a full-rank matrix, up to about 23% for a low-rank one (a gradient of rank 1 to 16), where bf16 NS
-amplifies rounding noise outside the input's span and the bitwise path itself is 40% to 164% away from float64. So the per-step update bound of ``tests/test_surplus.py``
-(``lr * ratio * 2**-7``) holds for full-rank gradients only. The bench's ``surplus`` case reports the difference
-with the latency.
+amplifies rounding noise outside the input's span and the bitwise path itself is 40% to 164% away from float64.
+So the per-step update bound of ``tests/test_surplus.py`` (``lr * ratio * 2**-7``) holds for full-rank gradients
+only. The bench's ``surplus`` case reports the difference with the latency.
 
 [Note: team NS by rows] The older split, :func:`team_zeropower`, keeps each member's row block ``X_j`` of ``X``::
 

@@ -55,8 +55,8 @@ by columns (``overlap_muon.team_ns.team_zeropower_blocks`` on a group of the com
 into the shards (``from_team``): no home and no gather. With fused exchanges, ``duplicate`` (and ``auto``) plans
 that give a matrix ``k`` of ``S`` ranks run too (:func:`duplicate_homes`: the exchange to the homes lists the matrix
 once per home, each home runs its NS, and the exchange back sends each rank its block from its serving home only,
-``from_homes(..., serve=...)``, so a home receives nothing back). Teams of part of the domain are not run; the steps below say how the wave pipeline is
-meant to act on a plan in general:
+``from_homes(..., serve=...)``, so a home receives nothing back). Teams of part of the domain are not run; the steps
+below say how the wave pipeline is meant to act on a plan in general:
 
 1. Per wave, on every rank: ``plan = plan_surplus(wave.params, wave.homes, full_shapes, S, config.surplus,
    cost_model, busy_s=...)`` (``busy_s``: e.g. the previous wave's per-home NS seconds from
@@ -69,9 +69,10 @@ meant to act on a plan in general:
 4. ``kind == "team"``: member ``j = a.ranks[j]`` receives column block ``j`` (:func:`team_row_counts` of
    ``max(P, Q)`` over ``len(a.ranks)``) of the ORIENTED matrix (the transpose of a tall update), calls
    ``overlap_muon.team_ns.team_zeropower_blocks([block], [norm], team_group)`` and sends the parts of its result
-   block back to their shard owners (what ``to_team`` / ``from_team`` do for a team of the whole domain). ``team_group`` must exist on every member: ``dist.new_group`` is collective
-   over the whole world, so create one per distinct team at construction (the plans are known then). Not bitwise
-   in general (see ``overlap_muon/team_ns.py``), which the parity tests must say.
+   block back to their shard owners (what ``to_team`` / ``from_team`` do for a team of the whole domain).
+   ``team_group`` must exist on every member: ``dist.new_group`` is collective over the whole world, so create one
+   per distinct team at construction (the plans are known then). Not bitwise in general (see
+   ``overlap_muon/team_ns.py``), which the parity tests must say.
 """
 
 from __future__ import annotations
@@ -383,7 +384,8 @@ def _greedy(kind: str, params: Sequence[int], homes: Mapping[int, int], shapes: 
         ready = max(busy[x] for x in base)
         eligible = [x for x in avail if busy[x] <= ready]
         if kind == "team" and all(holders[x] == [i] for x in base):
-            # [Note: team relocation] A team is cheap only inside a node (it all-reduces ns_steps * m*m elements). A matrix whose ranks hold nothing else may move, whole, to the node where it would have
+            # [Note: team relocation] A team is cheap only inside a node (it all-reduces ns_steps * m*m elements).
+            # A matrix whose ranks hold nothing else may move, whole, to the node where it would have
             # the most ranks (free ones plus its own there; ties keep its node, then the lowest node); its old
             # ranks join the free ones.
             room: dict[int, int] = {}

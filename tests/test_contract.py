@@ -531,4 +531,5 @@ def _version_fix_body(rank, world):
 
     return (g._version > v2 > v, version_fix.foreach_bumps_dtensor_versions(mesh),
             torch.equal(x, torch.tensor([0.0, 2.0, 4.0])), y._version > vy and torch.equal(y, torch.full((2,), 0.5)),
-            torch.equal(z[0], torch.full((2,), 0.5)), pickle.loads(pickle.dumps(torch._foreach_mul_)) is torch._foreach_mul_)
+            torch.equal(z[0], torch.full((2,), 0.5)),
+            pickle.loads(pickle.dumps(torch._foreach_mul_)) is torch._foreach_mul_)

@@ -295,7 +295,8 @@ def test_runtime_team_within_its_bound(R, T):
     domain (``to_team`` -> ``team_zeropower_blocks`` -> ``from_team``). Not bitwise (partial Grams are rounded
     before their sum); the stated bound, for full-rank gradients like these: per step, every param within
     ``lr * ratio * 2**-7`` of the single-home result (for low-rank gradients the bf16 NS noise is larger on both
-    paths; ``tests/test_team_ns.py`` bounds the kernel's accuracy against float64 for both kinds). Measured on the Intel AMX machine after two steps: 8.8e-5 (640x640), 8.8e-5 (384x1536), 1.9e-4
+    paths; ``tests/test_team_ns.py`` bounds the kernel's accuracy against float64 for both kinds). Measured on the
+    Intel AMX machine after two steps: 8.8e-5 (640x640), 8.8e-5 (384x1536), 1.9e-4
     (1536x384), against bounds of 3.1e-4, 3.1e-4 and 6.3e-4. At 2x2 the cost model teams the first wave only."""
     from tests.dist_utils import run_ranks
 

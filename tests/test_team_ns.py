@@ -198,7 +198,8 @@ def _split_poly_body(rank, world):
         xs.append(X[:, lo:lo + counts[rank]])
         norms.append(X.bfloat16().norm())
     together = team_zeropower_blocks(xs, norms, dist.group.WORLD, split_poly=flags)
-    alone = [team_zeropower_blocks([x], [nrm], dist.group.WORLD, split_poly=f)[0] for x, nrm, f in zip(xs, norms, flags)]
+    alone = [team_zeropower_blocks([x], [nrm], dist.group.WORLD, split_poly=f)[0]
+             for x, nrm, f in zip(xs, norms, flags)]
     full = [team_zeropower_full(torch.randn(s, generator=torch.Generator().manual_seed(40 + i)), dist.group.WORLD,
                                 split_poly=True) for i, s in enumerate(shapes)]
     # 2 members: a + b is one rounding whatever the buffer; 3: gloo's ring sums each chunk of the flat buffer in

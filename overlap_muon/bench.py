@@ -59,9 +59,12 @@ where it could not be measured, e.g. ``--no-baseline``):
 ``overlap``
     A training step (forward, backward, optimizer) of a transformer-like residual stack (per block an
     attention-like pair ``(d, d)``, ``(d, d)`` and an MLP ``(4d, d)``, ``(d, 4d)``, RMS-normed, Megatron TP
-    over the ranks) with ``overlap=True`` (``t_on``), ``overlap=False`` (``t_off``) and no optimizer
-    (``t_none``). ``exposed_fraction_world{1,2}`` = ``(t_on - t_none) / (t_off - t_none)``: the part of the
-    optimizer's time that the overlap fails to hide (0 all hidden, 1 nothing hidden). World 1 has the NS lane
+    over the ranks) with ``overlap=True`` (``t_on``: the default step, which returns once its updates have
+    landed), ``overlap=True, async_step=True`` (``t_async``: the next forward waits per module instead),
+    ``overlap=False`` (``t_off``) and no optimizer (``t_none``). ``exposed_fraction_world{1,2}`` =
+    ``(t_on - t_none) / (t_off - t_none)``: the part of the optimizer's time that the overlap fails to hide (0 all
+    hidden, 1 nothing hidden); ``async_exposed_fraction_world{1,2}`` the same for ``t_async``, and
+    ``async_over_default_iteration_world{1,2}`` = ``t_async / t_on`` (below 1: what the step barrier costs). World 1 has the NS lane
     on the spare core; at world 2 both cores run ranks, so the lanes compete with the training step. The
     variants run in interleaved rounds of a few iterations each; a round's time includes ``synchronize()`` at its
     end, so every launched wave is paid for.
@@ -210,7 +213,8 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
         return ("fused_bytes_over_ideal", "two_stage_bytes_over_ideal", "duplicated_bytes_over_ideal",
                 "fused_default_bytes_over_ideal")
     if case == "overlap":
-        return tuple(f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_")) + (
+        return tuple(f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_", "async_")) + tuple(
+            f"async_over_default_iteration_world{w}" for w in (1, 2)) + (
             "exposed_fraction_max_grad_norm_world1", "exposed_fraction_user_clip_world1",
             "llama_exposed_fraction_world1")
     if case == "balance":
@@ -971,13 +975,15 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
     variants: dict[str, tuple[nn.Module, OverlapMuon | None]] = {}
     # on_clip: max_grad_norm biting every step (world 1: plain TP shards cannot be clipped by the runtime);
     # on_user_clip: torch's clip_grad_norm_ between backward and step(), biting: every wave re-runs in step().
-    names = ("none", "off", "on") + (("on_clip", "on_user_clip") if world == 1 else ())
+    # async: async_step=True (step() returns before the updates land; the next forward waits per module).
+    names = ("none", "off", "on", "async") + (("on_clip", "on_user_clip") if world == 1 else ())
     for name in names:
         net = _tp_stack(d, blocks, T, t, group)
         opt = None
         if name != "none":
             opt = OverlapMuon(net, tp_group=group, overlap=(name != "off"), muon_filter=_muon_2d,
-                              max_grad_norm=_TINY_NORM if name == "on_clip" else None, **_HP)
+                              max_grad_norm=_TINY_NORM if name == "on_clip" else None,
+                              async_step=name == "async", **_HP)
         variants[name] = (net, opt)
     fwd_bwd: dict[str, list[float]] = {"forward": [], "backward": []}
 
@@ -1192,6 +1198,9 @@ def _case_overlap(o: _Options) -> _CaseResult:
         res = _run_ranks(_overlap_rank, world, d, blocks, tokens, rounds, chunk, trace, timeout_s=o.timeout_s)
         med = {n: _median(_max_over_ranks([r["times"][n] for r in res])) for n in res[0]["times"]}
         frac = _ratio(med["on"] - med["none"], med["off"] - med["none"])
+        async_frac = _ratio(med["async"] - med["none"], med["off"] - med["none"])
+        ratios[f"async_exposed_fraction_world{world}"] = async_frac
+        ratios[f"async_over_default_iteration_world{world}"] = _ratio(med["async"], med["on"])
         clip_lines = []
         for v, key in (("on_clip", "max_grad_norm"), ("on_user_clip", "user_clip")):
             if v in med:
@@ -1206,8 +1215,12 @@ def _case_overlap(o: _Options) -> _CaseResult:
                  "measured": {k: v for k, v in res[0].items() if k not in ("times", "trace")},
                  "simulated": sim, "samples_s": {n: _max_over_ranks([r["times"][n] for r in res]) for n in med}}
         lines.append(f"world {world}: none {_ms(med['none'])}  off {_ms(med['off'])}  on {_ms(med['on'])}  "
-                     f"-> optimizer {_ms(med['off'] - med['none']).strip()}, exposed with overlap "
-                     f"{_ms(med['on'] - med['none']).strip()}  (two threads got {speedup:.2f} cores)")
+                     f"async_step {_ms(med['async'])}  -> optimizer {_ms(med['off'] - med['none']).strip()}, "
+                     f"exposed with overlap {_ms(med['on'] - med['none']).strip()} (default step) / "
+                     f"{_ms(med['async'] - med['none']).strip()} (async_step)  (two threads got {speedup:.2f} cores)")
+        lines.append(f"         exposed fraction: default {'-' if frac is None else format(frac, '.3f')}, async_step "
+                     f"{'-' if async_frac is None else format(async_frac, '.3f')}; iteration async_step / default "
+                     f"{'-' if async_frac is None else format(med['async'] / med['on'], '.3f')}")
         if sim_frac is not None and frac is not None:
             lines.append(f"         exposed fraction measured {frac:.3f}, simulator {sim_frac:.3f} "
                          f"(difference {sim_frac - frac:+.3f}; simulated optimizer "

@@ -44,7 +44,12 @@ class OverlapMuonConfig:
     mode: str = _opt("layer_sharded", "OVERLAP_MUON_MODE", choices=("layer_sharded", "duplicated"))
     """``layer_sharded`` (NS once on a home rank) or ``duplicated`` (per-param all-gather, NS on every rank)."""
     overlap: bool = _opt(True, "OVERLAP_MUON_OVERLAP", kind=bool)
-    """Launch waves from backward hooks and wait in the next forward (``False``: everything inside ``step()``)."""
+    """Launch waves from backward hooks, during backward (``False``: everything inside ``step()``)."""
+    async_step: bool = _opt(False, "OVERLAP_MUON_ASYNC_STEP", kind=bool)
+    """Overlap mode: ``step()`` returns before its Muon updates land, and each module's next forward waits for its
+    own (the update hides behind the next forward too). Off by default: ``step()`` then orders its updates before
+    anything after it (CPU: the host waits; CUDA: the current stream waits). The loops this mode does not support
+    are listed in the README ("Asynchronous step")."""
     fused_a2a: bool = _opt(True, "OVERLAP_MUON_FUSED_A2A", kind=bool)
     """One ``all_to_all`` over the flat ``R x T`` domain per direction (``False``: two stages, remat then TP)."""
     batch_ns: bool = _opt(False, "OVERLAP_MUON_BATCH_NS", kind=bool)

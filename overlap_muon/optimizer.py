@@ -88,6 +88,22 @@ def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], e
     return errors
 
 
+def _fsdp_roots(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 modules of ``model`` with no FSDP2 ancestor (one of them becomes the root at the first forward;
+    ``set_post_optim_event`` is read from the root's state)."""
+    out: list[nn.Module] = []
+
+    def walk(mod: nn.Module) -> None:
+        if isinstance(mod, FSDPModule):
+            out.append(mod)
+            return
+        for child in mod.children():
+            walk(child)
+
+    walk(model)
+    return out
+
+
 class OverlapMuon(torch.optim.Optimizer):
     """Layer-sharded Muon for 2-D weights plus ``torch.optim.AdamW`` for every other param.
 
@@ -289,9 +305,7 @@ class OverlapMuon(torch.optim.Optimizer):
             groups.append(grp)
         super().__init__(groups, {k: v for k, v in muon_group.items() if k not in ("params", "algorithm")})
         self._link_adamw()
-        for p in muon_group["params"]:  # eager state: identical state_dict keys on every rank (DCP)
-            self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        init_adamw_state(self.param_groups[1:], self.state)
+        # State is created at a param's first gradient, as torch does ([Note: lazy state] in state.py).
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._model_params = list(model.parameters())
         self.stats: dict[str, int] = defaultdict(int)
@@ -301,6 +315,9 @@ class OverlapMuon(torch.optim.Optimizer):
         device = local_tensor(self._muon[0].param).device if self._muon else torch.device("cpu")
         self._pipeline = WavePipeline(self._muon, self.state, dom_to, dom_from, self.config, device, self.stats,
                                       ctrl, self._testing, expert_doms=edoms, dp_slots=dp, team_group=team)
+        self._async = self.config.overlap and self.config.async_step
+        self._pipeline.keep_momentum = self._async  # the apply runs after step() returns: it must not read .grad
+        self._pipeline.adamw_params = [p for g in self.param_groups[1:] for p in g["params"]]
         # A grouped expert weight is several Muon matrices: hooks and waits see the param once, under its first
         # index (``_first``), and stand for all of its matrices (``_siblings``).
         self._first: dict[int, int] = {}
@@ -320,11 +337,11 @@ class OverlapMuon(torch.optim.Optimizer):
         self._model_ref = weakref.ref(model)
         self._handles: list[Any] = []
         self._tracker: GradReadyTracker | None = None
-        self._covered: set[int] = set()  # Muon params a forward wait covered, recorded until coverage is decided
-        self._forward_ran = False  # a forward wait ran (a forward of the model) before coverage was decided
+        self._covered: set[int] = set()  # Muon params a forward wait covered (async_step)
+        self._coverage_checked: set[int] = set()  # Muon params whose forward-wait coverage has been checked
+        self._forward_ran = False  # a forward wait ran (a forward of the model)
         self._forward_since_step = False  # a forward wait ran since the last step() (else step() waits itself)
         self._warned_no_forward = False
-        self._coverage_decided = False
         self._module_params: dict[nn.Module, set[int]] = {}
         self._at_boundary = False  # a compiled module's wait ran eagerly in this forward (reset at the root's)
         self._root_id = id(model)
@@ -334,8 +351,10 @@ class OverlapMuon(torch.optim.Optimizer):
             self._tracker = GradReadyTracker([m.param for m in self._muon], weak_callback(self._on_ready),
                                              on_backward_end=weak_callback(self._on_backward_end))
             self._handles.append(self._tracker)
-            self._register_waits(model)
+            if self._async:  # [Note: the step barrier]: only the asynchronous step needs forward waits
+                self._register_waits(model)
         self._handles.append(model.register_state_dict_pre_hook(weak_callback(self._sync_hook)))
+        self._fsdp_roots = _fsdp_roots(model)
         self._finalizer = weakref.finalize(self, _remove_all, self._handles, self._pipeline)
         self._built = True
         if ddp is not None:
@@ -466,7 +485,7 @@ class OverlapMuon(torch.optim.Optimizer):
             for other in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", ()):
                 mods.extend(getattr(other, "_modules", ()))
         indices = {i for m in mods for i in self._module_params.get(m, ())}
-        self._forward_ran = True  # a forward of the model is running (the first step's coverage counts from it)
+        self._forward_ran = True  # a forward of the model is running (coverage is checked from then on)
         self._forward_since_step = True
         boundary = compile_boundary(module)
         if boundary or id(module) == self._root_id:  # the root's forward starts a new forward: forget the last
@@ -475,8 +494,7 @@ class OverlapMuon(torch.optim.Optimizer):
             indices |= self._subtree.get(id(module)) or {m.index for m in self._muon
                                                          if any(m.param is p for p in module.parameters())}
         indices = self._all_of(indices)
-        if not self._coverage_decided:
-            self._covered |= indices
+        self._covered |= indices
         self._pipeline.wait(self._waves_of(indices), streams=fsdp_param_streams(module))
 
     def _on_traced(self) -> None:
@@ -495,32 +513,34 @@ class OverlapMuon(torch.optim.Optimizer):
         if model is not None and type(model).__module__.startswith("torch.nn."):
             # torch.compile wraps a torch.nn class's whole __call__ (its hooks included) instead of its forward
             raise RuntimeError(
-                f"OverlapMuon (overlap=True): torch.compile(model) of a torch.nn {type(model).__name__} traces the "
+                f"OverlapMuon (async_step=True): torch.compile(model) of a torch.nn {type(model).__name__} traces the "
                 "model's forward hooks too (torch compiles a torch.nn class's whole __call__, not only its forward), "
                 "so no forward wait can run eagerly and the compiled forward could read weights before their update "
-                "lands. Use model.compile() (the hooks then run eagerly), compile its children, or overlap=False."
+                "lands. Use model.compile() (the hooks then run eagerly), compile its children, or the default "
+                "async_step=False (no forward waits)."
             )
         raise RuntimeError(
-            "OverlapMuon (overlap=True): torch.compile traces a module's forward wait, but no compiled module of the "
+            "OverlapMuon (async_step=True): torch.compile traces a module's forward wait, but no compiled module of the "
             "model ran its wait eagerly first (the model is compiled from outside, e.g. torch.compile of a function "
             "that calls it), so the compiled forward could read weights before their update lands. Supported: "
             "per-block block.compile() / torch.compile(block), model.compile(), and torch.compile(model) of a model "
-            "class of your own; or use overlap=False."
+            "class of your own; or use the default async_step=False (no forward waits)."
         )
 
     def _sync_hook(self, *_: Any) -> None:
         self.synchronize()
 
     def _cover_unwaited(self) -> None:
-        """After the first step whose gradients came from a forward of the model: Muon params that got a gradient
-        although no forward wait ran for them are read outside their module's forward (e.g. ``F.linear(x, self.lin.weight)`` in a parent); wait for them at the
-        root module's forward from now on, and say how to give a precise wait point."""
-        self._coverage_decided = True
+        """``async_step``, at each step after a forward of the model ran: Muon params that got a gradient for the
+        first time although no forward wait ran for them are read outside their module's forward (e.g.
+        ``F.linear(x, self.lin.weight)`` in a parent); wait for them at the root module's forward from now on, and
+        say how to give a precise wait point. Checked whenever the set of params with a gradient grows (a block
+        unfrozen later is covered too)."""
         model = self._model_ref()
-        if not self.config.overlap or model is None:
-            return
-        loose = [m.index for m in self._muon if m.param.grad is not None and m.index not in self._covered]
-        if not loose:
+        fresh = [m.index for m in self._muon if m.param.grad is not None and m.index not in self._coverage_checked]
+        self._coverage_checked.update(fresh)
+        loose = [i for i in fresh if i not in self._covered]
+        if not loose or model is None:
             return
         self.register_wait(model, [self._muon[i].param for i in loose])
         warnings.warn(
@@ -540,8 +560,10 @@ class OverlapMuon(torch.optim.Optimizer):
         Launches the waves backward has not (params without a gradient are skipped), re-runs the waves whose
         gradients or momentum/NS hyper-parameters changed since backward launched them ([Note: one matrix from
         hook to forward wait], step 3), queues every wave's update with the ``lr`` and ``weight_decay`` of now,
-        runs the AdamW part, and returns WITHOUT waiting for the Muon updates (overlap mode): the next forward
-        waits per module, :meth:`synchronize` and :meth:`wait_for` wait on demand. ``overlap=False`` waits.
+        runs the AdamW part, and returns with the Muon updates ordered before anything after it ([Note: the step
+        barrier]: CPU, the host waits; CUDA, the current stream waits, no host sync). With ``async_step=True`` it
+        returns once every wave has read its gradients, before the updates land: the next forward waits per
+        module, :meth:`synchronize` and :meth:`wait_for` wait on demand.
 
         Returns:
             the closure's loss, if a closure is given.
@@ -572,26 +594,44 @@ class OverlapMuon(torch.optim.Optimizer):
             self._warned_reruns = True
             warnings.warn(
                 f"OverlapMuon: {reruns} of {len(self._waves)} waves were re-run in step() because their inputs "
-                "changed after backward launched them (gradients edited in place, e.g. clipping or unscaling, DDP "
-                "averaging without attach_ddp, or a changed momentum/NS setting). The result is exact; the overlap "
-                "of those waves is lost.",
+                "changed after backward launched them (gradients edited in place, e.g. clipping, unscaling or a "
+                "collective, DDP averaging without attach_ddp, a changed momentum/NS setting, or optimizer state "
+                "loaded between backward and step). The result is exact; the overlap of those waves is lost.",
                 stacklevel=2,
             )
         if self._adamw is not None and ok:
             self._adamw.step()
-        if not self._coverage_decided and self._forward_ran:
+            init_adamw_state(self.param_groups[1:], self.state, self._pipeline.adamw_elsewhere())
+        if self._async and self._forward_ran:
             self._cover_unwaited()
-            if self._recorder is not None:
-                self._adopt_observed_order()
+        if self._recorder is not None and self._recorder.recorded:
+            self._adopt_observed_order()
         self._dispatcher.reset()
         self._step_count += 1
         self.stats["steps"] += 1
-        if not self.config.overlap:
-            self.synchronize()
+        if not self._async:
+            self._barrier()
         elif self._muon and not self._forward_since_step:
             self._no_forward_wait()
+        else:
+            self._pipeline.wait_gradients_read()  # the applies read no gradient: the user may zero them now
         self._forward_since_step = False
         return loss
+
+    def _barrier(self) -> None:
+        """[Note: the step barrier] The default: ``step()`` orders its updates before anything after it, so every
+        later reader (the next forward, ``model.unshard()``, a step post-hook, ``load_state_dict``, an averager
+        wrapping the optimizer, user code) sees the updated weights. CPU: the host waits for every apply. CUDA: no
+        host sync: the current stream waits on the apply events, and each FSDP2 root gets an event recorded after
+        that wait through ``FSDPModule.set_post_optim_event`` (FSDP2's public hook: its next all-gathers wait on
+        it instead of on the whole current stream). The backward overlap is kept: the waves were launched and
+        validated speculatively; what is given up is the overlap with the next forward (``async_step``)."""
+        self._pipeline.wait([w.index for w in self._waves])
+        if self._pipeline.lanes.cuda and self._fsdp_roots:
+            event = torch.cuda.Event()
+            event.record()
+            for root in self._fsdp_roots:
+                root.set_post_optim_event(event)
 
     def _no_forward_wait(self) -> None:
         """No forward of the model ran since the last ``step()`` (the loss was built from the params directly, or
@@ -601,7 +641,7 @@ class OverlapMuon(torch.optim.Optimizer):
         if not self._warned_no_forward:
             self._warned_no_forward = True
             warnings.warn(
-                "OverlapMuon (overlap=True): no forward of the model ran since the last step(), so no forward wait "
+                "OverlapMuon (async_step=True): no forward of the model ran since the last step(), so no forward wait "
                 "could hold back reads of the updated weights; step() now waits for its updates itself (the "
                 "overlap with the next forward is lost). Run the model's forward, or read weights after "
                 "opt.wait_for(params).",
@@ -659,17 +699,19 @@ class OverlapMuon(torch.optim.Optimizer):
                 self._tracker.enabled = not prev
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Like ``Optimizer.zero_grad``; also drops the waves backward launched since the last ``step()``."""
+        """Like ``Optimizer.zero_grad``; also drops the waves backward launched since the last ``step()``.
+
+        No committed update reads a gradient after ``step()`` has returned (the default step waits for its
+        applies; ``async_step`` keeps each wave's new momentum), so zeroing in place needs no wait."""
         self._pipeline.discard()
         self._dispatcher.reset()
-        if not set_to_none:
-            self.synchronize()  # lanes may still read the gradients about to be zeroed in place
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """Waits for in-flight waves, then ``Optimizer.state_dict()`` plus an ``"overlap_muon"`` entry (the Muon
         param names, full shapes and partition dims that :meth:`load_state_dict` checks). Muon momentum stays
-        sharded as the params are; every Muon param has a momentum buffer from construction on."""
+        sharded as the params are; a param has state from its first gradient on ([Note: lazy state] in
+        ``overlap_muon/state.py``)."""
         self.synchronize()
         sd = super().state_dict()
         sd["overlap_muon"] = checkpoint_meta(self._muon, self.param_groups[1:])

@@ -180,11 +180,16 @@ class WaveState:
     """(P, Q) bf16: NS results on this rank's homes (``compute``; released after ``from_home``)."""
     updates: list[Tensor] | None = None
     """Shards, bf16: this rank's block of each NS result (``from_home``; released after the apply)."""
+    momenta: list[Tensor] | None = None
+    """Shards: the new momentum of each item (``to_home``, only with ``async_step``, whose apply runs after
+    ``step()`` returns and so must not read ``.grad``; released after the apply)."""
     empty: bool = False
     """No rank of the domain has a gradient for this wave (``to_home``): nothing to apply."""
     # Handles. On CUDA each carries an event recorded by its lane after its kernels. Who waits on it:
+    # h_pack -- the gather (h_to), and async_step's step(), which returns once every gradient has been read;
     # h_to -- the compute lane (h_ns's dependency); h_ns -- the from_home lane; h_from -- the apply task;
     # h_apply -- forward pre-hooks (current stream, FSDP2's all-gather streams), synchronize(), reap().
+    h_pack: LaneHandle | None = None
     h_to: LaneHandle | None = None
     h_ns: LaneHandle | None = None
     h_from: LaneHandle | None = None
@@ -192,7 +197,7 @@ class WaveState:
     committed: bool = False
 
     def handles(self) -> list[LaneHandle]:
-        return [h for h in (self.h_to, self.h_ns, self.h_from, self.h_apply) if h is not None]
+        return [h for h in (self.h_pack, self.h_to, self.h_ns, self.h_from, self.h_apply) if h is not None]
 
     def done(self) -> bool:
         """Every queued task has finished (CPU: host side; CUDA: its event has completed). Never blocks."""
@@ -200,7 +205,7 @@ class WaveState:
 
     def release(self) -> None:
         """Drop every tensor the wave holds."""
-        self.grads = self.packed = self.fulls = self.outs = self.updates = None
+        self.grads = self.packed = self.fulls = self.outs = self.updates = self.momenta = None
 
 
 class WavePipeline:
@@ -272,6 +277,12 @@ class WavePipeline:
         self.teamed: set[int] = set()
         """Of :attr:`gathered`, the waves whose NS the domain splits by columns instead (``surplus="team"|"auto"``,
         on ``team_group``: ``overlap_muon.team_ns``, not bitwise): re-laid by ``to_team``/``from_team``, no gather."""
+        self.keep_momentum = False
+        """``async_step``: a wave keeps its new momentum from ``to_home`` to its apply, which then copies it instead
+        of recomputing it from the gradient (the apply runs after ``step()`` returns)."""
+        self.adamw_params: list[Tensor] = []
+        """The AdamW params, whose gradient presence the step's agreement also carries ([Note: lazy state])."""
+        self._adamw_elsewhere: set[int] = set()
         self._pending: dict[int, WaveState] = {}  # launched, not yet committed, by wave index
         self._agreed = False  # this (synchronous) step's gradient presence is agreed: waves skip their checks
         self._applied: dict[int, WaveState] = {}  # committed, apply not yet waited for
@@ -304,7 +315,8 @@ class WavePipeline:
             with self._lock:
                 writers = [a.h_apply for a in self._applied.values()
                            if a.h_apply is not None and not a.h_apply.done() and set(a.items) & set(items)]
-            st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st, check), deps=writers)
+            st.h_pack = self.lanes.submit("to_home", lambda: self._pack_task(st, check), deps=writers)
+            st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st), deps=[st.h_pack])
             st.h_ns = self.lanes.submit("compute", lambda: self._ns_task(st), deps=[st.h_to])
             st.h_from = self.lanes.submit("from_home", lambda: self._from_home_task(st), deps=[st.h_ns])
         with self._lock:
@@ -330,7 +342,8 @@ class WavePipeline:
         h = wave.homes[i]
         return h // self.dp.size if self.dp is not None and wave.domain == 0 else h
 
-    def _to_home_task(self, st: WaveState, check: bool) -> None:
+    def _pack_task(self, st: WaveState, check: bool) -> None:
+        """The wave's only reads of ``.grad``: new momentum, Nesterov, bf16 cast (``st.packed``)."""
         k, dom = st.wave.index, self._doms[st.wave.domain][0]
         if check:
             self._exchange(st, "a2a_to_home", dom, lambda: self._agree_on_gradients(st))
@@ -339,15 +352,24 @@ class WavePipeline:
             return
         mps = [self.muon[i] for i in st.items]
         h = st.hyper
-        ex, others = self._exchanged(st)
-        skip = set(others)  # DP slots: another replica computes these, no NS input is needed here
+        skip = set(self._exchanged(st)[1])  # DP slots: another replica computes these, no NS input is needed here
         with prof_range(wave_range_name(k, "pack"), nvtx=self.config.nvtx):
-            bufs = [m.local(self.state[m.param]["momentum_buffer"]) for m in mps]
             grads = [m.local(g) for m, g in zip(mps, st.grads)]
+            bufs = [self._momentum(m, g) for m, g in zip(mps, grads)]
             # The new momentum lives only as long as the NS input needs it; the apply recomputes it in place
-            # (the same op on the same values: bitwise the same), so a speculative wave holds no momentum copy.
-            st.packed = [None if j in skip else ns_input(g, momentum_update(b, g, h.momentum), h.momentum, h.nesterov)
-                         for j, (b, g) in enumerate(zip(bufs, grads))]
+            # (the same op on the same values: bitwise the same), so a speculative wave holds no momentum copy,
+            # unless the apply runs after step() returns (async_step): then it keeps it.
+            news = [momentum_update(b, g, h.momentum) for b, g in zip(bufs, grads)]
+            st.packed = [None if j in skip else ns_input(g, n, h.momentum, h.nesterov)
+                         for j, (n, g) in enumerate(zip(news, grads))]
+            st.momenta = news if self.keep_momentum else None
+
+    def _to_home_task(self, st: WaveState) -> None:
+        if st.empty:
+            return
+        k, dom = st.wave.index, self._doms[st.wave.domain][0]
+        mps = [self.muon[i] for i in st.items]
+        ex = self._exchanged(st)[0]
         # Replicated params ([Note: replicated params] in domain.py) skip the exchanges: their NS input is the full
         # matrix already. The exchanged ones come first in ``fulls``, the replicated ones after them.
         packed = [st.packed[j] for j in ex]
@@ -376,6 +398,13 @@ class WavePipeline:
                     lambda: to_homes(cp, homes, cpds, cshapes, dom, fused=self.config.fused_a2a, plan=plan),
                 )
         st.fulls = list(fulls) + [st.packed[j] for j, m in enumerate(mps) if m.replicated]
+
+    def _momentum(self, m: MuonParam, grad: Tensor) -> Tensor:
+        """``m``'s committed momentum (local shard), or zeros before its first step ([Note: lazy state] in
+        ``state.py``; read without inserting a key: the state dict is the user's until ``step()``)."""
+        st = self.state.get(m.param)
+        buf = st.get("momentum_buffer") if st else None
+        return m.local(buf) if buf is not None else torch.zeros_like(grad, memory_format=torch.preserve_format)
 
     def _ns_task(self, st: WaveState) -> None:
         if st.empty:
@@ -489,7 +518,10 @@ class WavePipeline:
                 for j, i in enumerate(st.items):
                     m = self.muon[i]
                     buf = m.local(self.state[m.param]["momentum_buffer"])
-                    momentum_update_(buf, m.local(st.grads[j]), st.hyper.momentum)
+                    if st.momenta is not None:
+                        buf.copy_(st.momenta[j])
+                    else:
+                        momentum_update_(buf, m.local(st.grads[j]), st.hyper.momentum)
                     p, u = m.local(m.param), st.updates[j]
                     if m.transposed:  # apply to the (out, in) matrix torch's nn.Linear reference updates
                         p, u = p.T, u.T
@@ -622,10 +654,14 @@ class WavePipeline:
             return 0
         reruns = 0
         hyper = Hyper.of(group)
-        stale = [1 if validate and w.index in pending and self.stale(pending[w.index], hyper) else 0 for w in waves]
-        if self.ctrl_group is not None and pending and not self._agreed:
+        # A wave not pending was discarded after backward launched it (load_state_dict): launch it again.
+        stale = [1 if w.index not in pending or validate and self.stale(pending[w.index], hyper) else 0 for w in waves]
+        if self.ctrl_group is not None and not self._agreed:
             stale = self._agree_step(stale, pending)
         self._agreed = False
+        for m in self.muon:  # [Note: lazy state]: momentum at the first gradient, created here, before any apply
+            if m.param.grad is not None and "momentum_buffer" not in self.state.get(m.param, ()):
+                self.state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
         for w, f in zip(waves, stale):
             if f:
                 pending[w.index] = self.launch(w, hyper)
@@ -647,6 +683,12 @@ class WavePipeline:
                 self._pending.pop(k, None)
                 self._applied[k] = st
         return reruns
+
+    def adamw_elsewhere(self) -> set[int]:
+        """``id``s of the AdamW params that had a gradient on another rank and not on this one at the last step's
+        agreement ([Note: lazy state] in ``state.py``); read once."""
+        out, self._adamw_elsewhere = self._adamw_elsewhere, set()
+        return out
 
     def agree_before_launch(self) -> None:
         """A synchronous step, before it launches its waves: the step's one agreement on gradient presence now, so
@@ -675,10 +717,13 @@ class WavePipeline:
         experts = [m for m in self.muon if m.domain == 1]
         split = self._split_presence(experts, self._expert_ctrl, pending) if self._expert_ctrl else []
         have = [1 if m.param.grad is not None else 0 for m in dense]
-        flags = torch.tensor(stale + have + [1 - h for h in have] + [1 if split else 0], dtype=torch.uint8)
+        adamw = [1 if p.grad is not None else 0 for p in self.adamw_params]
+        flags = torch.tensor(stale + have + [1 - h for h in have] + adamw + [1 if split else 0], dtype=torch.uint8)
         self._agree(flags, self.ctrl_group, pending)
-        n, k = len(stale), len(have)
-        split += [m.name for m, a, b in zip(dense, flags[n:n + k].tolist(), flags[n + k:-1].tolist()) if a and b]
+        n, k, a = len(stale), len(have), len(adamw)
+        split += [m.name for m, x, y in zip(dense, flags[n:n + k].tolist(), flags[n + k:n + 2 * k].tolist()) if x and y]
+        anywhere = flags[n + 2 * k:n + 2 * k + a].tolist()
+        self._adamw_elsewhere = {id(p) for p, mine, any_ in zip(self.adamw_params, adamw, anywhere) if any_ and not mine}
         if split or flags[-1]:
             self.discard()
             raise ValueError(
@@ -762,6 +807,19 @@ class WavePipeline:
                     if self._applied.get(k) is st:
                         del self._applied[k]
                 st.release()
+
+    def wait_gradients_read(self) -> None:
+        """``async_step``, at the end of ``step()``: make the caller wait until every committed wave has read its
+        gradients (its pack task), so that the user may zero, free or overwrite ``.grad`` once ``step()`` returns.
+        CPU: the host waits (the exchanges and NS go on); CUDA: the current stream waits on the pack events.
+
+        Raises:
+            RuntimeError: a lane task of the wave failed (its traceback is chained).
+        """
+        with self._lock:
+            packs = [st.h_pack for st in self._applied.values() if st.h_pack is not None]
+        for h in packs:
+            _wait(h, ())
 
     def reap(self) -> None:
         """Release every state whose tasks have all finished; surface a failed task now. Never blocks."""

@@ -1,9 +1,18 @@
-"""Optimizer state that ``OverlapMuon`` keeps the way torch does: AdamW state created eagerly, and the checks a
-checkpoint must pass before :meth:`OverlapMuon.load_state_dict` touches anything."""
+"""Optimizer state that ``OverlapMuon`` keeps the way torch does, and the checks a checkpoint must pass before
+:meth:`OverlapMuon.load_state_dict` touches anything.
+
+[Note: lazy state] As in torch, a param gets its state at its first gradient: Muon momentum when ``step()``
+commits its first update (``pipeline.WavePipeline.commit``), AdamW moments in the inner ``torch.optim.AdamW``'s own
+``step()``. A frozen param (LoRA's base weights) costs no optimizer memory. DCP needs the same state keys on every
+rank: Muon params agree by construction (a param with a gradient on some ranks of its domain and not on others is
+a ``ValueError``), and an AdamW param that has a gradient on another rank but not here gets here the zero state
+AdamW would create for it (:func:`init_adamw_state`), decided by the step's agreement on the runtime's gloo group
+(``pipeline.WavePipeline.adamw_elsewhere``). A param with no gradient on any rank has no state anywhere.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -14,15 +23,15 @@ from .domain import MuonParam
 __all__ = ["init_adamw_state", "checkpoint_meta", "checkpoint_errors"]
 
 
-def init_adamw_state(groups: Sequence[dict[str, Any]], state: dict) -> None:
-    """Create the AdamW state now, as ``torch.optim.AdamW._init_group`` does on a param's first step (zero moments,
-    ``step`` 0), so the state holds every param from construction on: DCP's ``set_state_dict`` builds its load
-    template from it (and skips its own warm-up step once any state exists)."""
+def init_adamw_state(groups: Sequence[dict[str, Any]], state: dict, only: Collection[int]) -> None:
+    """Create, for the params of ``groups`` whose ``id`` is in ``only`` and that have no state yet, the state
+    ``torch.optim.AdamW._init_group`` creates at a param's first step (zero moments, ``step`` 0): the values a
+    later first step starts from either way, so the update is unchanged ([Note: lazy state])."""
     for group in groups:
         for p in group["params"]:
-            st = state[p]
-            if st:
+            if id(p) not in only or state.get(p):
                 continue
+            st = state[p]
             on_dev = group["capturable"] or group["fused"]
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_dev else None)
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -21,6 +21,18 @@ same TorchScript builtin as the function it wraps (``torch.jit.script`` keeps co
 under its own name (``pickle`` works). :func:`install` runs for ``OverlapMuon(overlap=True)``, once per process,
 and wraps only what a probe finds broken (the DTensor part only with DTensor Muon params).
 
+[Note: in-place collectives] The eager c10d collectives of ``torch.distributed`` write their output through the
+C++ process group, below autograd: ``dist.all_reduce(p.grad)`` after backward (a data-parallel loop without DDP),
+``dist.reduce_scatter_tensor(p.grad, ...)`` or ``dist.broadcast(p.grad, src)`` change the gradient and move no
+version counter, on any backend. :func:`install` wraps the collectives of :data:`C10D_INPLACE` in the
+``torch.distributed`` namespace the same way: after the call (or, with ``async_op=True``, at the call: the
+counter only has to have moved by the next ``step()``, before which the caller waits on the work) the written
+tensors' counters move. A more general mechanism was looked for and not found: the c10d ops are not
+autograd-visible in-place ops (their dispatcher schemas run no ``ADInplaceOrView`` kernel), and a
+``TorchDispatchMode`` would see every op of the job, not only these. Unlike the foreach fix this one has no probe:
+a probe would be a collective, and no c10d op of torch 2.13 moves a counter. While Dynamo traces, the wrappers
+call the collective alone (Dynamo rewrites it to a functional collective, which bumps by itself).
+
 Not covered: the same ops reached from C++ or through ``torch.ops.aten`` / ``torch._C._VariableFunctions``, and
 edits through ``Tensor.data`` (a separate version counter by design: ``p.grad.data.mul_(c)`` is invisible to autograd
 and to overlap mode alike; edit ``p.grad`` itself).
@@ -33,17 +45,25 @@ import threading
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions", "install",
+__all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions", "install",
            "installed"]
 
 #: The in-place foreach functions of the ``torch`` namespace (those present in this torch).
 FOREACH_INPLACE: tuple[str, ...] = tuple(n for n in dir(torch) if n.startswith("_foreach_") and n.endswith("_"))
 #: GradScaler's unscale op.
 AMP_UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
+#: The ``torch.distributed`` collectives that write a tensor argument in place: name -> (position, keyword) of
+#: that argument (a tensor, or a list of tensors for ``all_reduce_coalesced``).
+C10D_INPLACE: dict[str, tuple[int, str]] = {
+    "all_reduce": (0, "tensor"), "all_reduce_coalesced": (0, "tensors"), "reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"), "scatter": (0, "tensor"), "reduce_scatter": (0, "output"),
+    "reduce_scatter_tensor": (0, "output"), "reduce_scatter_single": (0, "output"),
+}
 
 _lock = threading.Lock()
-_done: set[str] = set()  # "dtensor_foreach", "amp_unscale": the fixes in place in this process
+_done: set[str] = set()  # "dtensor_foreach", "amp_unscale", "c10d": the fixes in place in this process
 
 
 def foreach_bumps_dtensor_versions(mesh: Any) -> bool:
@@ -91,6 +111,26 @@ def _bumping(name: str, fn: Callable[..., Any], which: Callable[[Any], bool]) ->
     return wrapper
 
 
+def _bumping_collective(name: str, fn: Callable[..., Any], pos: int, key: str) -> Callable[..., Any]:
+    """``fn`` (a c10d collective) followed by a version bump of the tensor(s) it writes ([Note: in-place
+    collectives])."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if not torch.compiler.is_compiling():
+            target = args[pos] if len(args) > pos else kwargs.get(key)
+            written = list(target) if isinstance(target, (list, tuple)) else [target]
+            written = [t for t in written if isinstance(t, torch.Tensor)]
+            if written:
+                torch.autograd.graph.increment_version(written)
+        return out
+
+    wrapper.__module__, wrapper.__qualname__, wrapper.__name__ = "torch.distributed", name, name
+    wrapper.__overlap_muon_version_fix__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _wrap(names: tuple[str, ...], which: Callable[[Any], bool]) -> None:
     for name in names:
         fn = getattr(torch, name, None)
@@ -103,10 +143,19 @@ def install(mesh: Any = None) -> set[str]:
     (probed on CPU), the DTensor foreach ops' when ``mesh`` (the DeviceMesh of DTensor Muon params) is given.
     Idempotent and thread safe.
 
+    The c10d fix ([Note: in-place collectives]) is always put in place.
+
     Returns:
-        The fixes in place in this process after the call: a subset of ``{"amp_unscale", "dtensor_foreach"}``.
+        The fixes in place in this process after the call: a subset of ``{"amp_unscale", "dtensor_foreach",
+        "c10d"}``.
     """
     with _lock:
+        if "c10d" not in _done and dist.is_available():
+            for name, (pos, key) in C10D_INPLACE.items():
+                fn = getattr(dist, name, None)
+                if fn is not None and not hasattr(fn, "__overlap_muon_version_fix__"):
+                    setattr(dist, name, _bumping_collective(name, fn, pos, key))
+            _done.add("c10d")
         if "amp_unscale" not in _done and not unscale_bumps_versions():
             _wrap((AMP_UNSCALE,), lambda t: isinstance(t, torch.Tensor))
             _done.add("amp_unscale")

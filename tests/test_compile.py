@@ -68,8 +68,10 @@ def _compile(model: Net, how: str, backend) -> nn.Module:
     return model
 
 
-def _train(how: str, overlap: bool, steps: int = 4, fsdp_mesh=None, rank: int = 0):
-    """Params after ``steps`` steps, the number of graphs compiled, and the number of forward waits that ran."""
+def _train(how: str, overlap: bool, steps: int = 4, fsdp_mesh=None, rank: int = 0, async_step: bool = True):
+    """Params after ``steps`` steps, the number of graphs compiled, and the number of waits that ran.
+
+    ``async_step`` (the mode with forward waits, which these tests are about) unless told otherwise."""
     torch._dynamo.reset()
     graphs = []
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
@@ -89,7 +91,7 @@ def _train(how: str, overlap: bool, steps: int = 4, fsdp_mesh=None, rank: int = 
     call = _compile(model, how, backend) if how != "none" else model
     seam = TestingSeam(ns_delay_s=0.02 if overlap else 0.0, timeline=[])
     opt = OverlapMuon(model, overlap=overlap, adamw_kwargs=ADAMW_KW, wave_slots=1, _testing=seam,
-                      device_mesh=fsdp_mesh, **HP)
+                      device_mesh=fsdp_mesh, async_step=async_step, **HP)
     with warnings.catch_warnings():
         # The fallback for weights read outside their module's forward (a wait at the root) must not be needed: the
         # compiled modules' waits cover their subtrees.
@@ -125,11 +127,14 @@ def test_compiled_overlap_equals_overlap_off_world1(how):
 
 @pytest.mark.timeout(120)
 def test_compiled_from_outside_is_a_clear_error():
-    """``torch.compile`` of a function that calls the model inlines every forward wait and runs none eagerly: a
-    clear error at the first forward, naming the supported ways, instead of reading stale weights."""
+    """``async_step``: ``torch.compile`` of a function that calls the model inlines every forward wait and runs none
+    eagerly: a clear error at the first forward, naming the supported ways, instead of reading stale weights. The
+    default step has no forward waits: the same compile works, bitwise equal to overlap off."""
     with pytest.raises(Exception, match="compiled from outside"):
         _train("function", True, steps=1)
-    _train("function", False, steps=2)  # overlap off: nothing to wait for, fine
+    on, _, _ = _train("function", True, steps=2, async_step=False)
+    off, _, _ = _train("function", False, steps=2)  # overlap off: nothing to wait for, fine
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
 
 
 def _fsdp_body(rank, world, how):
@@ -156,11 +161,11 @@ def test_compiled_torch_nn_container_names_the_fix():
     """Found by a new-user test: ``torch.compile(nn.Sequential(...))`` compiles the container's whole ``__call__``
     (torch does so for torch.nn classes), hooks included, so no wait runs eagerly: the error now says so and names
     ``model.compile()``, which works (bitwise equal to overlap off)."""
-    def run(how: str, overlap: bool) -> list[torch.Tensor]:
+    def run(how: str, overlap: bool, async_step: bool = True) -> list[torch.Tensor]:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(D, D, bias=False), nn.Tanh(), nn.Linear(D, D, bias=False))
-        opt = OverlapMuon(model, overlap=overlap, adamw_kwargs=ADAMW_KW, **HP)
+        opt = OverlapMuon(model, overlap=overlap, adamw_kwargs=ADAMW_KW, async_step=async_step, **HP)
         call = torch.compile(model, backend="aot_eager") if how == "wrap" else model
         if how == "method":
             model.compile(backend="aot_eager")
@@ -174,4 +179,6 @@ def test_compiled_torch_nn_container_names_the_fix():
 
     with pytest.raises(Exception, match=r"torch.nn Sequential.*model.compile\(\)"):
         run("wrap", True)
-    assert all(torch.equal(a, b) for a, b in zip(run("method", True), run("none", False)))
+    off = run("none", False)
+    assert all(torch.equal(a, b) for a, b in zip(run("method", True), off))
+    assert all(torch.equal(a, b) for a, b in zip(run("wrap", True, async_step=False), off))  # the default: no waits

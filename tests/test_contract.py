@@ -125,7 +125,7 @@ class FusedQKV(nn.Module):
 def test_weights_read_outside_their_module_never_stale():
     """Bug: q/k/v/lin's forward pre-hooks never ran, so the next forward read them before their update landed.
     Now: one warning naming them, then the root's forward waits for them; results equal torch's."""
-    model, opt, ref, mu, aw = _pair(FusedQKV, wave_slots=1)
+    model, opt, ref, mu, aw = _pair(FusedQKV, wave_slots=1, async_step=True)  # forward waits: async_step only
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         _loop(model, opt, ref, [mu, aw], steps=4)
@@ -137,7 +137,7 @@ def test_weights_read_outside_their_module_never_stale():
 
 
 def test_register_wait_gives_a_precise_wait_point():
-    model, opt, ref, mu, aw = _pair(FusedQKV)
+    model, opt, ref, mu, aw = _pair(FusedQKV, async_step=True)
     opt.register_wait(model, [model.q.weight, model.k.weight, model.v.weight, model.lin.weight])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning: every param is covered
@@ -157,7 +157,7 @@ def test_backward_without_step_changes_nothing():
     model(X[0]).pow(2).mean().backward()  # a probe
     opt.synchronize()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert all(torch.equal(opt.state[p]["momentum_buffer"], torch.zeros_like(p)) for p in opt.param_groups[0]["params"])
+    assert not opt.state  # no state before the first step ([Note: lazy state])
     opt.zero_grad()
     for s in range(3):
         for m, os_ in ((model, [opt]), (ref, [mu, aw])):
@@ -416,15 +416,16 @@ def test_ranks_with_different_options_fail_at_construction():
 
 def test_loss_built_from_the_params_without_a_forward_waits_at_step():
     """Found by a break test: a loss built from the weights directly (no forward of the model ever runs) read the
-    weights before the last step's update landed: a silent difference. Now ``step()`` sees that no forward wait
-    ran since the last step, waits for its own updates and warns once; equal to torch.optim.Muon."""
+    weights before the last step's update landed: a silent difference. Now, with ``async_step`` (the default step
+    waits anyway), ``step()`` sees that no forward wait ran since the last step, waits for its own updates and
+    warns once; equal to torch.optim.Muon."""
     from overlap_muon.pipeline import TestingSeam
 
     torch.manual_seed(0)
     model = nn.Module()
     model.a, model.b = nn.Linear(16, 24, bias=False), nn.Linear(24, 16, bias=False)
     ref = copy.deepcopy(model)
-    opt = OverlapMuon(model, **HP, _testing=TestingSeam(ns_delay_s=0.05))  # the updates land late
+    opt = OverlapMuon(model, **HP, async_step=True, _testing=TestingSeam(ns_delay_s=0.05))  # the updates land late
     mu = torch.optim.Muon(ref.parameters(), **HP)
     coef = [torch.randn(p.shape, generator=torch.Generator().manual_seed(k)) for k, p in enumerate(model.parameters())]
     with warnings.catch_warnings(record=True) as caught:

@@ -161,7 +161,7 @@ def _fsdp_race(rank, world, patch_streams):
     for overlap in (True, False):
         model, mesh = _fsdp_model()
         seam = TestingSeam(before_apply=lambda st: torch.cuda._sleep(200_000_000))  # ~0.1 s on the lane
-        opt = OverlapMuon(model, device_mesh=mesh, overlap=overlap, _testing=seam, **HP)
+        opt = OverlapMuon(model, device_mesh=mesh, overlap=overlap, async_step=True, _testing=seam, **HP)
         x = torch.randn(32, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         for _ in range(2):
             model(x).sum().backward()
@@ -175,11 +175,54 @@ def _fsdp_race(rank, world, patch_streams):
 
 
 def test_fsdp2_all_gather_waits_for_the_update():
-    """A slow apply (``torch.cuda._sleep`` on its lane) must still land before FSDP2 all-gathers the shard: the
+    """``async_step``: a slow apply (``torch.cuda._sleep`` on its lane) must still land before FSDP2 all-gathers the shard: the
     forward after an overlapped step equals the synchronous one. Without the fix (FSDP2's streams not waited on),
     the same check fails: the all-gather copies the shard before the update."""
     assert all(run_ranks(_fsdp_race, 1, False, timeout=180, backend="nccl"))
     assert not all(run_ranks(_fsdp_race, 1, True, timeout=180, backend="nccl"))
+
+
+def _fsdp_barrier(rank, world):
+    """The default step on FSDP2: a slow apply (``torch.cuda._sleep`` on its lane) still lands before the next
+    forward's all-gather, with no host sync in ``step()``, and every step hands the root a post-optimizer event."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from overlap_muon.pipeline import TestingSeam
+
+    events = []
+    original = FSDPModule.set_post_optim_event
+    FSDPModule.set_post_optim_event = lambda self, event: (events.append(event), original(self, event))[1]
+    outs = []
+    try:
+        for overlap in (True, False):
+            model, mesh = _fsdp_model()
+            seam = TestingSeam(before_apply=lambda st: torch.cuda._sleep(200_000_000))  # ~0.1 s on the lane
+            opt = OverlapMuon(model, device_mesh=mesh, overlap=overlap, _testing=seam, **HP)
+            x = torch.randn(32, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+            model(x).sum().backward()  # warm-up: FSDP2 lazy init
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if overlap else "default")
+            try:
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                outs.append(model(x).detach().clone())  # reads the update through FSDP2's all-gather
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            opt.synchronize()
+            opt.close()
+    finally:
+        FSDPModule.set_post_optim_event = original
+    return torch.equal(outs[0], outs[1]), len(events)
+
+
+def test_fsdp2_default_step_orders_updates_with_post_optim_event():
+    """[Note: the step barrier] on CUDA: the current stream waits on the apply events (no host sync) and the
+    FSDP2 root gets ``set_post_optim_event`` each step; the forward after the step equals the synchronous one."""
+    ((same, events),) = run_ranks(_fsdp_barrier, 1, timeout=180, backend="nccl")
+    assert same and events == 2  # two overlapped steps, one event each (overlap=False runs inline: no event)
 
 
 class _Grouped(nn.Module):

@@ -82,7 +82,7 @@ def _fsdp_streams_body(rank, world):
     """Forward pre-hooks of FSDP2 modules hand FSDP2's all-gather streams to the wait."""
     torch.manual_seed(0)
     model, mesh = build_dtensor_model(TinyNet(), 1, 1)
-    opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, overlap=True, **HP)
+    opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, overlap=True, async_step=True, **HP)
     calls = []
     orig = opt._pipeline.wait
 

@@ -224,7 +224,7 @@ def test_ns_starts_inside_backward_and_forward_waits_only_for_its_wave():
     torch.manual_seed(0)
     model = Deep()
     seam = TestingSeam(ns_delay_s=0.05)
-    opt = OverlapMuon(model, overlap=True, wave_slots=1, _testing=seam, **HP)
+    opt = OverlapMuon(model, overlap=True, async_step=True, wave_slots=1, _testing=seam, **HP)
     x = torch.randn(8, 16)
     model(x).sum().backward()
     opt.step()

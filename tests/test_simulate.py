@@ -202,7 +202,8 @@ def test_cli_table_json_and_question(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert main(["--model", "llama3-8b", "--tp", "2", "--remat", "2", "--dp", "2", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "without overlap" in text and "with overlap" in text and "waves:" in text
+    assert "without overlap" in text and "overlap, default step" in text and "overlap, async_step" in text
+    assert "waves:" in text
     doc = json.loads(out.read_text())
     assert doc["result"]["num_matrices"] == 224 and doc["config"]["tp_size"] == 2
 

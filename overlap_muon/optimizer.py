@@ -332,6 +332,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self._plan(list(reversed(range(len(self._muon)))))
         check_plan_everywhere(self._muon, self._waves)
         self._accumulating = False
+        self._commit_at_launch = False  # step() of a synchronous step: its waves commit momentum as they pack
         self._warned_reruns = False
         self._step_count = 0
         self._model_ref = weakref.ref(model)
@@ -465,7 +466,7 @@ class OverlapMuon(torch.optim.Optimizer):
             self._dispatcher.flush()
 
     def _launch(self, wave: Wave) -> None:
-        self._pipeline.launch(wave, Hyper.of(self.param_groups[0]))
+        self._pipeline.launch(wave, Hyper.of(self.param_groups[0]), committed=self._commit_at_launch)
 
     def _waves_of(self, indices: Iterable[int]) -> list[int]:
         return sorted({self._wave_of[i] for i in indices})
@@ -586,9 +587,13 @@ class OverlapMuon(torch.optim.Optimizer):
             self.last_grad_norm, clipped = clip_grads_by_total_norm_(grads, self.max_grad_norm)
             self.stats["clipped_steps"] += clipped
         self.stats["skipped_steps"] += not ok
-        if ok and not self.config.overlap and not self._pipeline.has_pending():
+        self._commit_at_launch = ok and not self.config.overlap and not self._pipeline.has_pending()
+        if self._commit_at_launch:
             self._pipeline.agree_before_launch()  # one agreement for the whole synchronous step
-        self._dispatcher.flush()
+        try:
+            self._dispatcher.flush()
+        finally:
+            self._commit_at_launch = False
         reruns = self._pipeline.commit(self._waves, self.param_groups[0], validate=self.config.overlap, skip=not ok)
         if reruns and not self._warned_reruns:
             self._warned_reruns = True

@@ -195,6 +195,8 @@ class WaveState:
     h_from: LaneHandle | None = None
     h_apply: LaneHandle | None = None
     committed: bool = False
+    momentum_done: bool = False
+    """A synchronous step's wave: its pack committed the new momentum in place (``launch(committed=True)``)."""
 
     def handles(self) -> list[LaneHandle]:
         return [h for h in (self.h_pack, self.h_to, self.h_ns, self.h_from, self.h_apply) if h is not None]
@@ -292,15 +294,20 @@ class WavePipeline:
     # --------------------------------------------------------------------------------------------------------
     # launch: three lane tasks, speculative
     # --------------------------------------------------------------------------------------------------------
-    def launch(self, wave: Wave, hyper: Hyper) -> WaveState:
+    def launch(self, wave: Wave, hyper: Hyper, committed: bool = False) -> WaveState:
         """Queue wave ``wave``'s exchange to the homes, NS and exchange back, with the gradients present now.
 
         Called in wave order on every rank (from a grad-ready hook, the end-of-backward flush or ``step()``).
-        Changes no param and no optimizer state.
+        Changes no param and no optimizer state, unless ``committed``: a synchronous step's wave, launched inside
+        ``step()`` after the step's gradient-presence agreement, which nothing can make stale; its pack commits the
+        new momentum in place, as ``torch.optim.Muon`` does, instead of computing it out of place for the NS input
+        and again in the apply.
         """
         items = [i for i in wave.params if self.muon[i].param.grad is not None]
         grads = [self.muon[i].param.grad for i in items]
-        st = WaveState(wave, items, hyper, grads, [_versions(g) for g in grads])
+        st = WaveState(wave, items, hyper, grads, [_versions(g) for g in grads], momentum_done=committed)
+        if committed:
+            self._create_momentum(items)
         self.stats["waves_launched"] += 1
         self.testing.record("launch", wave.index)
         if self.testing.on_state is not None:
@@ -355,6 +362,13 @@ class WavePipeline:
         skip = set(self._exchanged(st)[1])  # DP slots: another replica computes these, no NS input is needed here
         with prof_range(wave_range_name(k, "pack"), nvtx=self.config.nvtx):
             grads = [m.local(g) for m, g in zip(mps, st.grads)]
+            if st.momentum_done:  # a synchronous step: commit in place (torch's own op), no copy
+                bufs = [m.local(self.state[m.param]["momentum_buffer"]) for m in mps]
+                for b, g in zip(bufs, grads):
+                    momentum_update_(b, g, h.momentum)
+                st.packed = [None if j in skip else ns_input(g, b, h.momentum, h.nesterov)
+                             for j, (b, g) in enumerate(zip(bufs, grads))]
+                return
             bufs = [self._momentum(m, g) for m, g in zip(mps, grads)]
             # The new momentum lives only as long as the NS input needs it; the apply recomputes it in place
             # (the same op on the same values: bitwise the same), so a speculative wave holds no momentum copy,
@@ -520,7 +534,7 @@ class WavePipeline:
                     buf = m.local(self.state[m.param]["momentum_buffer"])
                     if st.momenta is not None:
                         buf.copy_(st.momenta[j])
-                    else:
+                    elif not st.momentum_done:
                         momentum_update_(buf, m.local(st.grads[j]), st.hyper.momentum)
                     p, u = m.local(m.param), st.updates[j]
                     if m.transposed:  # apply to the (out, in) matrix torch's nn.Linear reference updates
@@ -659,9 +673,7 @@ class WavePipeline:
         if self.ctrl_group is not None and not self._agreed:
             stale = self._agree_step(stale, pending)
         self._agreed = False
-        for m in self.muon:  # [Note: lazy state]: momentum at the first gradient, created here, before any apply
-            if m.param.grad is not None and "momentum_buffer" not in self.state.get(m.param, ()):
-                self.state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
+        self._create_momentum(range(len(self.muon)))
         for w, f in zip(waves, stale):
             if f:
                 pending[w.index] = self.launch(w, hyper)
@@ -683,6 +695,14 @@ class WavePipeline:
                 self._pending.pop(k, None)
                 self._applied[k] = st
         return reruns
+
+    def _create_momentum(self, indices: Iterable[int]) -> None:
+        """[Note: lazy state] in ``state.py``: momentum at a param's first gradient, created on the calling thread
+        (``step()``), before any task writes it."""
+        for i in indices:
+            m = self.muon[i]
+            if m.param.grad is not None and "momentum_buffer" not in self.state.get(m.param, ()):
+                self.state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
 
     def adamw_elsewhere(self) -> set[int]:
         """``id``s of the AdamW params that had a gradient on another rank and not on this one at the last step's

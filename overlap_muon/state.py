@@ -27,6 +27,8 @@ def init_adamw_state(groups: Sequence[dict[str, Any]], state: dict, only: Collec
     """Create, for the params of ``groups`` whose ``id`` is in ``only`` and that have no state yet, the state
     ``torch.optim.AdamW._init_group`` creates at a param's first step (zero moments, ``step`` 0): the values a
     later first step starts from either way, so the update is unchanged ([Note: lazy state])."""
+    if not only:
+        return
     for group in groups:
         for p in group["params"]:
             if id(p) not in only or state.get(p):

@@ -19,8 +19,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from overlap_muon import _bench_peers as bp
-from overlap_muon._spawn import spawn_ranks
+from overlap_muon.apps import bench_peers as bp
+from overlap_muon.apps.spawn import spawn_ranks
 
 _acc: dict[str, float] = defaultdict(float)
 _cnt: dict[str, int] = defaultdict(int)

@@ -1,7 +1,8 @@
 """overlap-muon: layer-sharded Muon whose optimizer work hides inside backward and the next forward."""
 
 from .config import OverlapMuonConfig, resolve_config
-from .ns import adjusted_lr, ns_flops, zeropower
+from .ns import adjusted_lr, zeropower
+from .scheduler.cost import ns_flops
 from .optimizer import OverlapMuon
 from .split import GateUpSplit, HeadSplit, QKVSplit, RowSplit
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scheduler import first_plan_difference, param_fingerprints, plan_hash
-from scheduler.waves import Wave
+from .scheduler import first_plan_difference, param_fingerprints, plan_hash
+from .scheduler.waves import Wave
 
 from .config import OverlapMuonConfig
 from .domain import MuonParam

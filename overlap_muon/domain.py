@@ -12,7 +12,6 @@ standard layout in which global ranks increase with ``g*T + t`` inside a domain;
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from scheduler.chunks import chunk_sizes
+from .layout import chunk_sizes
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -30,7 +29,7 @@ except Exception:  # pragma: no cover
 
 __all__ = [
     "Domain", "MuonParam", "chunk_sizes", "chunk_offsets", "block", "block_shape", "local_tensor", "discover_layouts",
-    "describe_param", "mesh_dims", "discover_expert_layouts", "describe_expert_param", "domain_group",
+    "describe_param", "mesh_dims", "discover_expert_layouts", "describe_expert_param",
 ]
 
 
@@ -80,7 +79,7 @@ class Domain:
     """This rank's place in the ``R x T`` weight-shard domain and the runtime's own groups over it.
 
     ``remat_group`` / ``tp_group`` / ``flat_group`` are ``None`` when the corresponding size is 1 (no
-    communication: STYLE.md "one code path for world size 1").
+    communication: one code path for world size 1). Built by ``overlap_muon.comm``.
     """
 
     remat_size: int  #: R, the GTP_remat size
@@ -107,80 +106,6 @@ class Domain:
     def single() -> "Domain":
         """The 1 x 1 domain of a single process (no groups)."""
         return Domain(remat_size=1, tp_size=1, remat_rank=0, tp_rank=0)
-
-
-    @staticmethod
-    def from_all_layouts(
-        layouts: list[list[list[int]]],
-        *,
-        timeout: datetime.timedelta | None = None,
-        with_ctrl: bool = True,
-    ) -> "Domain":
-        """Build this rank's domain given every domain's ``layout[g][t] = global rank`` (identical on all ranks).
-
-        ``with_ctrl``: also give it a gloo ``ctrl_group`` for host-side flags (the flat group itself when the job's
-        backend is gloo, else a new gloo group over the same ranks).
-
-        ``new_group`` is collective over the default group, so all ranks create all groups in one order.
-
-        Raises:
-            ValueError: a layout is not rectangular, ranks repeat, this rank is in no layout, or global ranks
-                do not increase with ``g*T + t`` (group ranks would not match the coordinates).
-        """
-        me = dist.get_rank() if dist.is_initialized() else 0
-        mine = None
-        seen: set[int] = set()
-        for layout in layouts:
-            R = len(layout)
-            T = len(layout[0]) if R else 0
-            if R == 0 or T == 0 or any(len(row) != T for row in layout):
-                raise ValueError(f"domain layout {layout} is not a rectangular R x T grid of global ranks")
-            flat = [r for row in layout for r in row]
-            if flat != sorted(flat) or len(set(flat)) != len(flat):
-                raise ValueError(
-                    f"domain layout {layout}: global ranks must be distinct and increase with g*T + t "
-                    "(TP innermost), the layout of init_device_mesh(..., ('remat', 'tp'))"
-                )
-            if seen & set(flat):
-                raise ValueError(f"domain layouts overlap on ranks {sorted(seen & set(flat))}")
-            seen |= set(flat)
-            for g, row in enumerate(layout):
-                for t, r in enumerate(row):
-                    if r == me:
-                        mine = (layout, g, t)
-        if mine is None:
-            raise ValueError(f"rank {me} is in none of the domain layouts {layouts}")
-        kw = {} if timeout is None else {"timeout": timeout}
-        # Host-side flags need a gloo group; a gloo job's flat group is one already.
-        gloo_ctrl = with_ctrl and dist.get_backend() != "gloo"
-        groups: dict[tuple[str, tuple[int, ...]], ProcessGroup] = {}
-
-        def make(kind: str, ranks: list[int], **extra: str) -> None:
-            if len(ranks) > 1:
-                groups[(kind, tuple(ranks))] = dist.new_group(ranks=ranks, **kw, **extra)
-
-        for layout in layouts:
-            R, T = len(layout), len(layout[0])
-            for t in range(T):
-                make("remat", [layout[g][t] for g in range(R)])
-            for g in range(R):
-                make("tp", list(layout[g]))
-            make("flat", [r for row in layout for r in row])
-            if gloo_ctrl:
-                make("ctrl", [r for row in layout for r in row], backend="gloo")
-        layout, g, t = mine
-        R, T = len(layout), len(layout[0])
-        return Domain(
-            remat_size=R,
-            tp_size=T,
-            remat_rank=g,
-            tp_rank=t,
-            remat_group=groups.get(("remat", tuple(layout[gg][t] for gg in range(R)))),
-            tp_group=groups.get(("tp", tuple(layout[g]))),
-            flat_group=groups.get(("flat", tuple(r for row in layout for r in row))),
-            ctrl_group=groups.get(("ctrl" if gloo_ctrl else "flat", tuple(r for row in layout for r in row)))
-            if with_ctrl else None,
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -506,24 +431,6 @@ def discover_expert_layouts(
     if not initialized or dist.get_world_size() == 1:
         return None, None
     return [[[r]] for r in range(dist.get_world_size())], None
-
-
-def domain_group(layouts: list[list[list[int]]] | None, timeout: datetime.timedelta | None = None,
-                 backend: str | None = "gloo") -> ProcessGroup | None:
-    """A new group over this rank's domain of ``layouts`` (``None`` for a one-rank domain or one process), on
-    ``backend`` (gloo by default, for host-side flags; ``None``: the job's backend).
-
-    Collective over the default group: every rank creates every domain's group, in one order."""
-    if not layouts or not (dist.is_available() and dist.is_initialized()):
-        return None
-    me, mine = dist.get_rank(), None
-    kw = {} if timeout is None else {"timeout": timeout}
-    for lay in layouts:
-        ranks = [r for row in lay for r in row]
-        if len(ranks) > 1:
-            group = dist.new_group(ranks=ranks, backend=backend, **kw)
-            mine = group if me in ranks else mine
-    return mine
 
 
 def describe_expert_param(

@@ -159,6 +159,14 @@ class Lanes:
         h.future = self._executors[lane].submit(run)
         return h
 
+    def current_stream_event(self) -> Any:
+        """CUDA: an event recorded now on the current stream (the step barrier hands it to FSDP2's
+        ``set_post_optim_event``: recorded by ``step()`` after the current stream's waits on the applies, waited on
+        by FSDP2's all-gather streams at the next forward)."""
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def shutdown(self, wait: bool = True) -> None:
         """Stop the worker threads after the queued tasks finish (``wait``: block until they have)."""
         for ex in self._executors.values():

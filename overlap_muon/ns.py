@@ -1,8 +1,8 @@
 """Newton-Schulz orthogonalization ("zeropower"), bitwise equal to ``torch.optim.Muon``'s on one matrix.
 
 The default coefficients ``(3.4445, -4.7750, 2.0315)`` and 5 steps are those of ``torch.optim.Muon`` (which cites
-Keller Jordan's Muon post, https://kellerjordan.github.io/posts/muon/). The cost model (:func:`ns_flops`) lives in
-``scheduler.cost`` because the planner must not import this package; it is re-exported here.
+Keller Jordan's Muon post, https://kellerjordan.github.io/posts/muon/). The cost model (``ns_flops``) is the
+planner's (``overlap_muon.scheduler.cost``); this module, like every math and layout module, does not import it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from scheduler.cost import ns_flops
 
-__all__ = ["zeropower", "ns_flops", "adjusted_lr", "spectral_unclamped_ratio", "ADJUST_LR_EXTENSIONS",
+__all__ = ["zeropower", "adjusted_lr", "spectral_unclamped_ratio", "ADJUST_LR_EXTENSIONS",
            "DEFAULT_NS_COEFFICIENTS", "SYRK_BLOCK", "sym_gram", "sym_poly"]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

@@ -14,8 +14,6 @@ home assembles bit for bit, and the learning-rate ratio uses the full logical sh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
 import logging
 import warnings
 import weakref
@@ -27,24 +25,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hooks import (
+from .hooks import (
     GradReadyTracker, ParamOwners, ddp_readiness_hook, fsdp_param_streams, params_read_by_module,
     compile_boundary, register_forward_waits, weak_callback,
 )
-from scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
-from scheduler.surplus import CPU_GLOO, duplicate_homes, every_rank_kinds
-from scheduler.waves import Wave
+from .scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
+from .scheduler.surplus import CPU_GLOO, duplicate_homes, every_rank_kinds
+from .scheduler.waves import Wave
 
 from . import version_fix
 from .checks import check_plan_everywhere, differs_across_ranks, option_errors, raise_everywhere
 from .clip import clip_grads_by_total_norm_
 from .config import OverlapMuonConfig, resolve_config
-from .domain import (
-    Domain, discover_expert_layouts, discover_layouts, domain_group, local_tensor, mesh_dims, my_coords,
-)
+from .comm import build_comm
+from .domain import Domain, discover_expert_layouts, discover_layouts, local_tensor, mesh_dims, my_coords
 from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
-from .pipeline import Hyper, TestingSeam, WavePipeline, dp_slot_groups
+from .pipeline import Hyper, TestingSeam, WavePipeline
 from .placement import place_params
 from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
 from .split import SplitArg
@@ -265,34 +262,18 @@ class OverlapMuon(torch.optim.Optimizer):
             dtensors = [m.param for m in self._muon if isinstance(m.param, DTensor)]
             version_fix.install(dtensors[0].device_mesh if dtensors else None)
 
-        # ---- runtime groups (collective over the default group) ----------------------------------------------
-        timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
+        # ---- runtime groups (collective over the default group): overlap_muon.comm ----------------------------
         distributed = layouts is not None and dist.get_world_size() > 1
-        dom_to = Domain.from_all_layouts(layouts, timeout=timeout) if distributed else Domain.single()
-        dom_from = Domain.from_all_layouts(layouts, timeout=timeout, with_ctrl=False) if distributed else Domain.single()
-        self.domain = dom_to
-        """This rank's :class:`~overlap_muon.domain.Domain` (sizes R x T, coordinates g, t)."""
-        self.expert_domain = Domain.single()
-        """This rank's expert domain (``1 x ETP``; ``1 x 1`` without ETP or without expert params)."""
-        experts_on = bool(expert_ids) and elayouts is not None and dist.get_world_size() > 1
-        # step()'s agreement, over every rank of the job
-        ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed or experts_on else None
         dp_on = distributed and len(layouts) > 1 and self.config.dp_slots and self.config.mode == "layer_sharded"
         if dp_on and self.config.surplus != "idle":
             warnings.warn(f"OverlapMuon: surplus={self.config.surplus!r} is not combined with DP slots yet; the waves "
                           "run as surplus='idle' (the replicas still share the NS work)", stacklevel=2)
-        # surplus="team": the compute lane's own group over the dense domain (the exchange lanes have theirs)
-        team = domain_group(layouts, timeout, backend=None) if distributed and not dp_on and self.config.surplus in (
-            "team", "auto") else None
-        dp = None
-        if dp_on:
-            dp, wide = dp_slot_groups(layouts, self._rank, timeout)
-            dom_to = dataclasses.replace(dom_to, ctrl_group=wide)  # presence is agreed over every replica
-        edoms = None
-        if experts_on:
-            self.expert_domain = Domain.from_all_layouts(elayouts, timeout=timeout)
-            edoms = (self.expert_domain, Domain.from_all_layouts(elayouts, timeout=timeout, with_ctrl=False),
-                     domain_group(elayouts, timeout))
+        comm = build_comm(layouts, elayouts, self._rank, timeout_s=self.config.pg_timeout_s, dp_slots=dp_on,
+                          team=not dp_on and self.config.surplus in ("team", "auto"), experts=bool(expert_ids))
+        self.domain = comm.dom_to
+        """This rank's :class:`~overlap_muon.domain.Domain` (sizes R x T, coordinates g, t)."""
+        self.expert_domain = comm.expert[0] if comm.expert else Domain.single()
+        """This rank's expert domain (``1 x ETP``; ``1 x 1`` without ETP or without expert params)."""
 
         # ---- optimizer plumbing: one Muon group, then the inner AdamW's groups --------------------------------
         self._adamw = torch.optim.AdamW(adamw_groups_, **(adamw_kwargs or {})) if adamw_groups_ else None
@@ -313,8 +294,9 @@ class OverlapMuon(torch.optim.Optimizer):
         ``waves_launched``, ``reruns`` (waves re-run at ``step()`` because their inputs changed), ``steps``,
         ``skipped_steps``."""
         device = local_tensor(self._muon[0].param).device if self._muon else torch.device("cpu")
-        self._pipeline = WavePipeline(self._muon, self.state, dom_to, dom_from, self.config, device, self.stats,
-                                      ctrl, self._testing, expert_doms=edoms, dp_slots=dp, team_group=team)
+        self._pipeline = WavePipeline(self._muon, self.state, comm.dom_to, comm.dom_from, self.config, device,
+                                      self.stats, comm.ctrl, self._testing, expert_doms=comm.expert, dp_slots=comm.dp,
+                                      team_group=comm.team)
         self._async = self.config.overlap and self.config.async_step
         self._pipeline.keep_momentum = self._async  # the apply runs after step() returns: it must not read .grad
         self._pipeline.adamw_params = [p for g in self.param_groups[1:] for p in g["params"]]
@@ -633,8 +615,7 @@ class OverlapMuon(torch.optim.Optimizer):
         validated speculatively; what is given up is the overlap with the next forward (``async_step``)."""
         self._pipeline.wait([w.index for w in self._waves])
         if self._pipeline.lanes.cuda and self._fsdp_roots:
-            event = torch.cuda.Event()
-            event.record()
+            event = self._pipeline.lanes.current_stream_event()
             for root in self._fsdp_roots:
                 root.set_post_optim_event(event)
 

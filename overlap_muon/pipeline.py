@@ -55,10 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from scheduler.surplus import SurplusCostModel, team_splits_poly
-from scheduler.waves import Wave
+from .scheduler.surplus import SurplusCostModel, team_splits_poly
+from .scheduler.waves import Wave
 
 from .config import OverlapMuonConfig
+from .comm import DPSlots
 from .domain import Domain, MuonParam, local_tensor
 from .lanes import LaneHandle, Lanes
 from .layer_sharded_a2a import all_gather_full, from_homes, from_team, local_shard, to_homes, to_team
@@ -68,39 +69,7 @@ from .profiling import prof_range, wave_range_name
 from .split import split_ns
 from .team_ns import team_norms, team_zeropower_blocks
 
-__all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam", "DPSlots", "dp_slot_groups"]
-
-
-@dataclass(frozen=True)
-class DPSlots:
-    """[Note: DP replicas as NS slots] With replicate dims (HSDP's ``dp_replicate``) every replica of the dense
-    domain holds the same shards and, after the gradient all-reduce, the same gradients, so by default each replica
-    runs the NS of every matrix. With DP slots a wave's homes number ``D * S`` (replica ``h % D``, domain rank
-    ``h // D``: interleaved, so the planner's ties, which go to the lowest home, alternate between replicas): each
-    replica gathers, orthogonalizes and scatters only the matrices homed in it, then every rank
-    swaps its blocks of the results with the same-position rank of the other replicas (one ``all_to_all`` over
-    that DP group, on the from-home lane after the scatter). Same inputs, same NS: bitwise the result of every
-    replica running all of it, at ``1/D`` of the NS and of the domain's exchanges per replica plus the DP swap."""
-
-    size: int  #: D, the number of replicas
-    replica: int  #: this rank's replica, in [0, D)
-    group: dist.ProcessGroup  #: the D ranks at this rank's position in every replica
-
-
-def dp_slot_groups(layouts: list[list[list[int]]], rank: int, timeout: Any) -> tuple[DPSlots, dist.ProcessGroup]:
-    """This rank's :class:`DPSlots` for the replicas ``layouts`` (one ``R x T`` grid each, identical on every
-    rank), and a gloo group over every replica's ranks for the per-wave presence agreement. Collective over the
-    default group: every rank creates every group, in one order."""
-    flats = [[r for row in lay for r in row] for lay in layouts]
-    mine = next(d for d, f in enumerate(flats) if rank in f)
-    pos = flats[mine].index(rank)
-    cols = [[f[p] for f in flats] for p in range(len(flats[0]))]
-    if any(c != sorted(c) for c in cols):  # group rank r must be replica r (the DP swap's split order)
-        raise ValueError(f"dp_slots: the replicas' ranks {flats} do not increase with the replica index at every "
-                         "position; put the replicate dim outside the domain's dims in the mesh")
-    groups = [dist.new_group(ranks=c, timeout=timeout) for c in cols]
-    wide = dist.new_group(ranks=sorted(r for f in flats for r in f), backend="gloo", timeout=timeout)
-    return DPSlots(len(flats), mine, groups[pos]), wide
+__all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam"]
 
 
 @dataclass

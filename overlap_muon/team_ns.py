@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from scheduler.surplus import team_row_counts
+from .layout import team_row_counts
 
 from .ns import DEFAULT_NS_COEFFICIENTS, SYRK_BLOCK, Coefficients, _check_block, _schedule, sym_gram, sym_poly
 

@@ -33,11 +33,11 @@ for the tapered last waves, whose exchange + NS + exchange is the optimizer time
   rank it serves (ranks on a node with a duplicate are served there, the rest round robin over the homes).
 - A transfer of ``b_intra`` bytes to or from peers on the rank's node and ``b_inter`` to others takes
   ``latency_s + max(b_intra / intra_node_bytes_per_s, b_inter / inter_node_bytes_per_s)`` (the two links run
-  concurrently; the model of ``scheduler.simulate`` [Note: what the model assumes], item 4). Ranks are numbered
+  concurrently; the model of ``overlap_muon.apps.simulate`` [Note: what the model assumes], item 4). Ranks are numbered
   as in the domain, ``ranks_per_node`` consecutive ranks per node.
 - A matrix's estimate is ``to + NS + back`` on its busiest member; a rank's load is the sum of the estimates of
   the matrices it holds; the wave's time is the largest load. Exchanges are really one collective per wave, so
-  this per-matrix sum is an estimate for choosing, not a prediction (``scheduler.simulate`` models the wave).
+  this per-matrix sum is an estimate for choosing, not a prediction (``overlap_muon.apps.simulate`` models the wave).
 
 What the planner does: the idle plan first; then, while surplus ranks are left, the longest matrix on the most
 loaded rank (ties: lowest rank, then lowest param index) gets the fewest extra ranks ``j >= 1`` that shorten its
@@ -81,7 +81,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .chunks import chunk_sizes
+from ..layout import team_row_counts
 from .cost import _check_shape, ns_flops
 from .homes import _check_num_ranks
 
@@ -182,23 +182,6 @@ class SurplusPlan:
     """``max(rank_load_s)``: the estimated time of the wave, seconds."""
     surplus_ranks: tuple[int, ...]
     """Ranks the wave's homes left free (before this plan used any)."""
-
-
-def team_row_counts(m: int, k: int) -> list[int]:
-    """Rows of each of ``k`` team members for an ``(m, n)`` (oriented, ``m <= n``) matrix: ``torch.chunk`` sizes.
-
-    ``torch.chunk`` gives ``ceil(m / k)`` rows to each leading member and the rest to the last ones, some possibly
-    empty (the DESIGN.md domain uses the same rule). E.g. ``m=10, k=4``: ``[3, 3, 3, 1]``; ``m=2, k=3``:
-    ``[1, 1, 0]``.
-
-    Raises:
-        ValueError: ``m < 0`` or ``k < 1``.
-    """
-    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-        raise ValueError(f"rows must be an int >= 0, got {m!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"team size must be an int >= 1, got {k!r}")
-    return chunk_sizes(m, k)
 
 
 def _link_s(intra: float, inter: float, cm: SurplusCostModel) -> float:

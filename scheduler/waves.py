@@ -288,7 +288,7 @@ def plan_waves_by_cost(
     whereas the runtime's lanes pipeline them (wave k+1's exchange to the homes overlaps wave k's NS). It is
     therefore pessimistic about many waves, most where a wave's NS is one matrix per home (domains at least as
     large as the waves): there it prefers a few large waves (e.g. 560 Llama-3-70B matrices on 512 homes: two
-    waves). ``scheduler.simulate`` has the finer lane model; planning against it is the next step.
+    waves). ``overlap_muon.apps.simulate`` has the finer lane model; planning against it is the next step.
 
     Homes are then given exactly as :func:`plan_waves` does (LPT inside each wave with loads carried across
     waves, or round robin). The estimate of a wave's NS time assumes LPT spreads each shape over

@@ -8,7 +8,7 @@ Usage::
 
     results = run_ranks(_body, 2, x, timeout=60)   # list indexed by rank
 
-The spawning itself is ``overlap_muon._spawn.spawn_ranks`` (shared with the benchmarks); this adds the test
+The spawning itself is ``overlap_muon.apps.spawn.spawn_ranks`` (shared with the benchmarks); this adds the test
 policy: any failed or hung rank fails the test with every rank's message.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from overlap_muon._spawn import free_port, spawn_ranks
+from overlap_muon.apps.spawn import free_port, spawn_ranks
 
 __all__ = ["run_ranks", "free_port"]
 

@@ -66,7 +66,7 @@ def cuda_tests(out_dir: str, timeout_s: int) -> dict:
 
 def ns_vs_bmm(device: torch.device, shapes: list[tuple[int, int]], reps: int) -> list[dict]:
     """bf16 TFLOP/s of one-matrix NS (``overlap_muon.ns.zeropower``) vs the same matmuls as plain ``torch.bmm``."""
-    from overlap_muon.ns import ns_flops, zeropower
+    from overlap_muon import ns_flops, zeropower
 
     rows = []
     for m, n in shapes:
@@ -162,7 +162,7 @@ def exposed_fraction(device: torch.device, layers: int, d: int, tokens: int, ite
                     iteration("on")
                 prof.step()
         opts["on"].synchronize()
-        from overlap_muon.timeline import draw_timeline
+        from overlap_muon.apps.timeline import draw_timeline
 
         s = draw_timeline(trace, os.path.join(out_dir, "gpu_overlap_timeline.png"))
         out["timeline"] = {"png": os.path.join(out_dir, "gpu_overlap_timeline.png"),

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from overlap_muon import bench
+from overlap_muon.apps import bench
 
 _SUBSET = ("step", "ns", "comm", "balance", "surplus", "memory")
 
@@ -106,10 +106,10 @@ def test_py_spy_missing_says_so(monkeypatch, capsys, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_module_entry_point_runs(tmp_path):
-    """``python -m overlap_muon.bench`` (what the console script wraps) runs a planning-only case and writes JSON."""
+    """``python -m overlap_muon.apps.bench`` (what the console script wraps) runs a planning-only case and writes JSON."""
     path = tmp_path / "b.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "overlap_muon.bench", "--quick", "--cases", "balance", "--json", str(path)],
+        [sys.executable, "-m", "overlap_muon.apps.bench", "--quick", "--cases", "balance", "--json", str(path)],
         capture_output=True, text=True, timeout=110,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -149,7 +149,7 @@ def test_peers_case_runs_quick_or_skips_cleanly(tmp_path):
     """``--cases peers --quick`` either measures OverlapMuon against torchtitan's DistMuon, with every result
     ``torch.equal`` (the case fails otherwise), or, without torchtitan, is skipped with the install line and
     exits 0."""
-    from overlap_muon import _bench_peers
+    from overlap_muon.apps import bench_peers as _bench_peers
 
     path = tmp_path / "peers.json"
     rc = bench.main(["--quick", "--repeats", "2", "--cases", "peers", "--json", str(path), "--timeout", "200"])
@@ -170,7 +170,7 @@ def test_peers_case_runs_quick_or_skips_cleanly(tmp_path):
 
 
 def test_peers_case_skips_with_the_install_line_when_torchtitan_is_missing(monkeypatch, tmp_path):
-    from overlap_muon import _bench_peers
+    from overlap_muon.apps import bench_peers as _bench_peers
 
     monkeypatch.setattr(_bench_peers, "import_dist_muon", lambda: (None, "no torchtitan here"))
     opts = bench._Options(quick=True, repeats=1, baseline=True, trace_dir=str(tmp_path), timeout_s=10.0)
@@ -181,7 +181,7 @@ def test_peers_case_skips_with_the_install_line_when_torchtitan_is_missing(monke
 
 def test_dist_muon_cpu_patches_are_scoped():
     """The CPU patches exist only inside the context, and not at all for a CUDA device."""
-    from overlap_muon import _bench_peers
+    from overlap_muon.apps import bench_peers as _bench_peers
 
     flex, _ = _bench_peers.import_dist_muon()
     if flex is None:

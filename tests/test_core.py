@@ -11,7 +11,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 from overlap_muon import OverlapMuon, resolve_config, zeropower
 from overlap_muon.pipeline import TestingSeam
 from overlap_muon.config import ENV_VARS
-from scheduler import load_report, lpt_homes, ns_flops, round_robin_homes
+from overlap_muon.scheduler import load_report, lpt_homes, ns_flops, round_robin_homes
 from tests.dist_utils import run_ranks
 from tests.models import block
 

@@ -151,7 +151,7 @@ def test_fsdp2_overlap_step_has_no_host_sync():
 
 
 def _fsdp_race(rank, world, patch_streams):
-    import hooks.forward_wait as fw
+    import overlap_muon.hooks.forward_wait as fw
     import overlap_muon.optimizer as om
     from overlap_muon.pipeline import TestingSeam
 

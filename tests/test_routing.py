@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap_muon.comm import domain_from_layouts
 from overlap_muon.domain import Domain, chunk_sizes
 from overlap_muon.layer_sharded_a2a import (
     all_gather_full,
@@ -75,7 +76,7 @@ def _chunk(x: torch.Tensor, parts: int, dim: int = 0) -> list[torch.Tensor]:
 
 
 def _domain(R: int, T: int) -> Domain:
-    return Domain.from_all_layouts([[[g * T + t for t in range(T)] for g in range(R)]])
+    return domain_from_layouts([[[g * T + t for t in range(T)] for g in range(R)]])
 
 
 def _world_sum_ok(rank: int, world: int) -> bool:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from scheduler import (
+from overlap_muon.scheduler import (
     LoadReport,
     ReadinessRecorder,
     Wave,
@@ -421,8 +421,8 @@ def test_readiness_recorder():
 # plan_waves_by_cost
 # ---------------------------------------------------------------------------------------------------------------
 
-from scheduler import WaveCostModel, plan_waves_by_cost  # noqa: E402
-from scheduler.waves import _Segment, _finish  # noqa: E402
+from overlap_muon.scheduler import WaveCostModel, plan_waves_by_cost  # noqa: E402
+from overlap_muon.scheduler.waves import _Segment, _finish  # noqa: E402
 
 
 def _llama_shapes(layers: int = 6, d: int = 256) -> list[tuple[int, int]]:
@@ -573,7 +573,7 @@ def test_wave_cost_model_validates(field, value):
 # plan hash
 # ---------------------------------------------------------------------------------------------------------------
 
-from scheduler import first_plan_difference, param_fingerprints, plan_hash  # noqa: E402
+from overlap_muon.scheduler import first_plan_difference, param_fingerprints, plan_hash  # noqa: E402
 
 
 def _plan_inputs(n: int = 6, S: int = 2):
@@ -596,7 +596,7 @@ def test_plan_hash_is_deterministic_across_processes():
     assert 0 <= h < 2**63
     code = (
         "from tests.test_scheduler import _plan_inputs\n"
-        "from scheduler import param_fingerprints, plan_hash\n"
+        "from overlap_muon.scheduler import param_fingerprints, plan_hash\n"
         "n, s, p, w = _plan_inputs()\n"
         "print(plan_hash(param_fingerprints(n, s, p, w), extra=(1, 2, 'layer_sharded')))\n"
     )

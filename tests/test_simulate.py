@@ -1,4 +1,4 @@
-"""Invariants of the step simulator ``scheduler.simulate`` (pure Python, no process group)."""
+"""Invariants of the step simulator ``overlap_muon.apps.simulate`` (pure Python, no process group)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from scheduler.cost import ns_flops
-from scheduler.simulate import MODEL_PRESETS, SimConfig, SimResult, main, plan_question, simulate
+from overlap_muon.scheduler.cost import ns_flops
+from overlap_muon.apps.simulate import MODEL_PRESETS, SimConfig, SimResult, main, plan_question, simulate
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scheduler import ns_flops, plan_waves
-from scheduler.surplus import (
+from overlap_muon.scheduler import ns_flops, plan_waves
+from overlap_muon.scheduler.surplus import (
     POLICIES,
     SurplusCostModel,
     matrix_estimate_s,
@@ -188,7 +188,7 @@ def test_serving_homes_cover_every_rank():
 
 
 def test_on_every_rank_picks_waves_with_room_for_every_rank():
-    from scheduler.surplus import on_every_rank
+    from overlap_muon.scheduler.surplus import on_every_rank
 
     waves = plan_waves(list(range(5))[::-1], [1.0] * 5, 2, taper=True)  # sizes [1, 2, 1, 1] on 2 homes
     assert [len(w.params) for w in waves] == [1, 2, 1, 1]

@@ -1,4 +1,4 @@
-"""Tests of ``overlap_muon.timeline``: lanes, wave counts and the exposed optimizer time read from a trace."""
+"""Tests of ``overlap_muon.apps.timeline``: lanes, wave counts and the exposed optimizer time read from a trace."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from overlap_muon.timeline import TimelineSummary, draw_timeline, main
+from overlap_muon.apps.timeline import TimelineSummary, draw_timeline, main
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

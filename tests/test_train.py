@@ -1,8 +1,8 @@
-"""The training entry point (``overlap_muon.train``): short runs, exact parity across layouts and toggles,
+"""The training entry point (``overlap_muon.apps.train``): short runs, exact parity across layouts and toggles,
 bit-identical resume, and one-line errors.
 
 Every run here is a tiny model for a few steps; each distributed test batches its configurations into a single
-spawn of gloo ranks (``tests/dist_utils.run_ranks``), calling ``overlap_muon.train.main`` in-process per rank.
+spawn of gloo ranks (``tests/dist_utils.run_ranks``), calling ``overlap_muon.apps.train.main`` in-process per rank.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from overlap_muon import train
-from overlap_muon.data import DataError, load_file, load_stdlib
+from overlap_muon.apps import train
+from overlap_muon.apps.data import DataError, load_file, load_stdlib
 from tests.dist_utils import free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,7 +187,7 @@ def _launch_rank(rank: int, world: int, argv: list[str]) -> subprocess.Popen:
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     env.update(MASTER_PORT=str(free_port()), PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "overlap_muon.train", *argv],
+        [sys.executable, "-m", "overlap_muon.apps.train", *argv],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -287,7 +287,7 @@ def _moe_grads(rank: int, world: int, tp: int, x: torch.Tensor, y: torch.Tensor)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from overlap_muon.model import (
+    from overlap_muon.apps.model import (
         GPT,
         ModelConfig,
         expert_params,
@@ -316,7 +316,7 @@ def test_moe_gradients_match_one_process():
     experts, and every gradient (experts, router, the dense params around them) equals the one-process gradient
     of the whole batch's mean loss, up to float rounding: no TP duplicate counted twice, expert gradients averaged
     over the remat indices as FSDP averages the dense ones."""
-    from overlap_muon.model import GPT, ModelConfig
+    from overlap_muon.apps.model import GPT, ModelConfig
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (4, 16), generator=gen)

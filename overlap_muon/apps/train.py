@@ -1,9 +1,9 @@
-"""Train a small tensor-parallel byte-level GPT on real text: ``python -m overlap_muon.train`` / ``overlap-muon-train``.
+"""Train a small tensor-parallel byte-level GPT on real text: ``python -m overlap_muon.apps.train`` / ``overlap-muon-train``.
 
-Launch with ``torchrun --standalone --nproc-per-node N -m overlap_muon.train [flags]`` or as one plain process.
+Launch with ``torchrun --standalone --nproc-per-node N -m overlap_muon.apps.train [flags]`` or as one plain process.
 The world is a ``("remat", "tp")`` DeviceMesh of ``--remat x --tp`` ranks (gloo on CPU, NCCL on CUDA): the linears
 are tensor-parallel over ``tp`` and FSDP2-sharded over ``remat``, which is also the data-parallel dim (see
-:mod:`overlap_muon.model`). Data is byte-level text (:mod:`overlap_muon.data`): the Python standard library's
+:mod:`overlap_muon.apps.model`). Data is byte-level text (:mod:`overlap_muon.apps.data`): the Python standard library's
 sources by default, or ``--data FILE``.
 
 Optimizers (``--optimizer``):
@@ -16,7 +16,7 @@ Optimizers (``--optimizer``):
 
 MoE (``--moe``, or ``--moe-experts E``): every ``--moe-every``-th block's MLP is a top-``--moe-top-k`` mixture
 of ``E`` experts, sharded over all ranks (expert parallelism over the world, expert TP 1; see
-[Note: MoE dispatch] in :mod:`overlap_muon.model`). ``overlap_muon`` orthogonalizes each expert's matrices on
+[Note: MoE dispatch] in :mod:`overlap_muon.apps.model`). ``overlap_muon`` orthogonalizes each expert's matrices on
 the rank holding it (``OverlapMuon(..., experts="*.experts.*")``); ``torch_muon`` gives ``torch.optim.Muon``
 every expert matrix as a param of its own (a 2-D copy it steps and writes back); ``adamw`` steps the grouped
 weights like any param. The load-balancing loss (``--moe-aux-loss`` times it) is added to the training
@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from overlap_muon.data import ByteData, DataError, load_file, load_stdlib
-from overlap_muon.model import (
+from overlap_muon.apps.data import ByteData, DataError, load_file, load_stdlib
+from overlap_muon.apps.model import (
     GPT,
     ModelConfig,
     expert_params,
@@ -71,7 +71,7 @@ _PROG = "overlap-muon-train"
 _OPTIMIZERS = ("overlap_muon", "adamw", "torch_muon")
 _CKPT_DONE = "COMPLETE"
 _MOE_EXPERTS = 4  # --moe without --moe-experts
-_EXPERTS = "*.experts.*"  # the grouped expert weights' names (overlap_muon.model.expert_params), for OverlapMuon
+_EXPERTS = "*.experts.*"  # the grouped expert weights' names (overlap_muon.apps.model.expert_params), for OverlapMuon
 # Default AdamW learning rates, each the best of {8e-4, 1.5e-3, 3e-3, 6e-3} for the default 2-rank run: for the
 # embeddings, norms and head beside Muon (3e-3 and 6e-3 tie), and for every parameter with --optimizer adamw.
 _ADAMW_LR_WITH_MUON = 3e-3

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m overlap_muon.timeline traces/trace.json [--out traces/timeline.png]
+    python -m overlap_muon.apps.timeline traces/trace.json [--out traces/timeline.png]
 
 One row per lane, top to bottom:
 
@@ -48,10 +48,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..profiling import PHASES
+
 __all__ = ["draw_timeline", "TimelineSummary", "main"]
 
 #: The phases of one wave, in pipeline order (the names ``overlap_muon.profiling`` emits).
-_PHASES = ("pack", "a2a_to_home", "ns", "a2a_from_home", "apply")
+_PHASES = PHASES
 _PHASE_RE = re.compile(r"^OverlapMuon::wave(\d+)::(pack|a2a_to_home|ns|a2a_from_home|apply)$")
 _COMM_TO = {"pack", "a2a_to_home"}
 _COMM_FROM = {"a2a_from_home", "apply"}
@@ -413,8 +415,8 @@ def _format(summary: TimelineSummary) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m overlap_muon.timeline TRACE.json [--out PNG]``; prints the summary table."""
-    ap = argparse.ArgumentParser(prog="python -m overlap_muon.timeline", description=__doc__.split("\n\n")[0])
+    """CLI: ``python -m overlap_muon.apps.timeline TRACE.json [--out PNG]``; prints the summary table."""
+    ap = argparse.ArgumentParser(prog="python -m overlap_muon.apps.timeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="torch.profiler Chrome trace (.json or .json.gz)")
     ap.add_argument("--out", default=os.path.join("traces", "timeline.png"), help="PNG to write (default: %(default)s)")
     args = ap.parse_args(argv)

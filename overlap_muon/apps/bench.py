@@ -2,10 +2,10 @@
 
 Usage::
 
-    python -m overlap_muon.bench                          # every case, full sizes
+    python -m overlap_muon.apps.bench                          # every case, full sizes
     overlap-muon-bench --quick --json traces/bench_quick.json
-    python -m overlap_muon.bench --cases comm,balance     # a subset
-    python -m overlap_muon.bench --cases overhead --py-spy  # plus a py-spy flame graph of the dispatch path
+    python -m overlap_muon.apps.bench --cases comm,balance     # a subset
+    python -m overlap_muon.apps.bench --cases overhead --py-spy  # plus a py-spy flame graph of the dispatch path
 
 Times are medians over repeats after warm-up; where a case compares variants, the variants are interleaved
 (A, B, A, B, ...) so drift in the machine's load hits both alike. Multi-rank cases spawn gloo ranks on a free
@@ -71,12 +71,12 @@ where it could not be measured, e.g. ``--no-baseline``):
     ``llama_exposed_fraction_world1``: the same at world 1 on a Llama-shaped stack (:class:`_LlamaStack`: d_model
     256, GQA with 4 query and 2 KV heads of 64, SwiGLU MLP 688; 6 layers, 42 matrices of 5 shapes), whose many
     small same-shape matrices show how waves batch (its NS calls per step are reported beside it).
-    ``sim_exposed_fraction_world{1,2}``: :func:`scheduler.simulate.simulate` fed the per-phase figures measured
+    ``sim_exposed_fraction_world{1,2}``: :func:`overlap_muon.apps.simulate.simulate` fed the per-phase figures measured
     in the same rounds (per-layer forward / backward times, unbatched NS FLOP/s) and after them (all_to_all
     bandwidth and latency, elementwise bandwidth), reported as ``exposed_overlap_s / exposed_no_overlap_s`` (the
     same definition). Its ``ns_interference`` comes from how many cores two compute threads get just before the
     case (:func:`_two_thread_speedup`; the machine may be shared). A full run also records a ``torch.profiler``
-    trace of the world-1 overlapped step and draws it with :func:`overlap_muon.timeline.draw_timeline`
+    trace of the world-1 overlapped step and draws it with :func:`overlap_muon.apps.timeline.draw_timeline`
     (``traces/bench_overlap_w1_*``): the waits it shows are the part of the exposed time spent blocked on waves.
 ``balance``
     Pure planning: max/mean NS load per rank (``scheduler.load_report`` of ``ns_flops`` costs) of LPT vs round
@@ -95,12 +95,12 @@ where it could not be measured, e.g. ``--no-baseline``):
     details also time the column team's matmuls alone on both ranks at once (no collectives): the compute part,
     which on a shared 2-core machine shows how much the two ranks slow each other; and the exactness of both
     splits against ``zeropower`` (bitwise or not, max abs and relative Frobenius difference).
-    ``sim_70b_{idle,best}_exposed_fraction``: :mod:`scheduler.simulate` on the 70B preset (TP 8, remat 8, DP 16),
+    ``sim_70b_{idle,best}_exposed_fraction``: :mod:`overlap_muon.apps.simulate` on the 70B preset (TP 8, remat 8, DP 16),
     exposed optimizer fraction with idle surplus and with the best of ``duplicate`` / ``team`` / ``auto`` at
     ``dp_slots`` 1 and 4 (the issue's goal: <= 0.02).
 ``peers``
     OverlapMuon side by side with torchtitan's ``DistMuon`` (FlexShard; optional, skipped with the install line
-    when not importable; CPU patches and details in :mod:`overlap_muon._bench_peers`). Same model (d_model 256,
+    when not importable; CPU patches and details in :mod:`overlap_muon.apps.bench_peers`). Same model (d_model 256,
     4 heads, per layer q, k, v, o, up, down), same DTensor shards, same gradients, interleaved. (a) the optimizer
     step alone (``overlap=False``), world 2, TP (``ColwiseParallel``/``RowwiseParallel``) and FSDP2
     (``fully_shard``) layouts: ``step_{tp,fsdp}_world2_overlap_muon_over_dist_muon``; (b) the whole training
@@ -135,14 +135,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_homes
-from scheduler.surplus import CPU_GLOO, team_row_counts, team_splits_poly
+from overlap_muon.scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_homes
+from overlap_muon.scheduler.surplus import CPU_GLOO, team_row_counts, team_splits_poly
 
-from ._spawn import spawn_ranks
-from .domain import block_shape, local_tensor
-from .ns import SYRK_BLOCK, zeropower
-from .optimizer import OverlapMuon
-from .team_ns import team_zeropower_full
+from .spawn import spawn_ranks
+from ..domain import block_shape, local_tensor
+from ..ns import SYRK_BLOCK, zeropower
+from ..optimizer import OverlapMuon
+from ..team_ns import team_zeropower_full
 
 __all__ = ["main", "CASES", "expected_ratio_keys", "machine_info"]
 
@@ -227,7 +227,7 @@ def expected_ratio_keys(case: str) -> tuple[str, ...]:
         return tuple(f"{v}_peak_over_min_world{w}" for w in (1, 2) for v in ("overlap", "sync", "duplicated")) + (
             "overlap_peak_over_torch_muon_world1",)
     if case == "peers":
-        from ._bench_peers import RATIO_KEYS
+        from .bench_peers import RATIO_KEYS
 
         return RATIO_KEYS
     raise ValueError(f"unknown bench case {case!r}; known: {', '.join(CASES)}")
@@ -364,9 +364,9 @@ def _two_thread_speedup(seconds: float = 0.3) -> float:
 # Spawning gloo ranks
 # ----------------------------------------------------------------------------------------------------------------
 
-# A forkserver child launched from `python -m overlap_muon.bench` re-runs this module as its __mp_main__ while the
+# A forkserver child launched from `python -m overlap_muon.apps.bench` re-runs this module as its __mp_main__ while the
 # preloaded copy is already in sys.modules; runpy then warns that this "may result in unpredictable behaviour".
-# Nothing here depends on __main__ (spawned functions are pickled by their overlap_muon.bench names), so the
+# Nothing here depends on __main__ (spawned functions are pickled by their overlap_muon.apps.bench names), so the
 # warning is noise in every rank's output. The filter is inherited by the children through the forkserver.
 warnings.filterwarnings(
     "ignore", message=r"'overlap_muon\.bench' found in sys\.modules", category=RuntimeWarning, module="runpy"
@@ -1072,7 +1072,7 @@ def _profile_overlap(iteration: Callable[[str, bool], None], opt: OverlapMuon | 
 
 
 def _simulate_exposed(d: int, blocks: int, world: int, r: dict[str, Any], speedup: float) -> dict[str, Any] | None:
-    """The simulator's exposed fraction for the measured figures of rank 0 (None without scheduler.simulate).
+    """The simulator's exposed fraction for the measured figures of rank 0 (None without overlap_muon.apps.simulate).
 
     ``speedup`` is :func:`_two_thread_speedup`, measured just before: at world 1 the NS lane and the training step
     are two threads, each slowed to ``speedup / 2`` of its speed while both run, i.e. ``ns_interference =
@@ -1080,7 +1080,7 @@ def _simulate_exposed(d: int, blocks: int, world: int, r: dict[str, Any], speedu
     rank's core with its training step: ``ns_interference = 1``.
     """
     try:
-        from scheduler.simulate import SimConfig, simulate
+        from overlap_muon.apps.simulate import SimConfig, simulate
     except ImportError:
         return None
     cfg = SimConfig.from_measured(
@@ -1263,7 +1263,7 @@ def _case_overlap(o: _Options) -> _CaseResult:
 
 def _draw(trace: str, png: str) -> dict[str, Any] | None:
     try:
-        from overlap_muon.timeline import draw_timeline
+        from overlap_muon.apps.timeline import draw_timeline
     except ImportError:
         return None
     try:
@@ -1377,7 +1377,7 @@ def _last_wave_latency(rank: int, world: int, X: Tensor, warmup: int, repeats: i
     matrix: ``world - 1`` surplus homes), ``surplus="idle"`` vs ``"duplicate"`` vs ``"team"``, interleaved: seconds
     from ``step()`` to its last apply, per repeat; whether duplicate gives idle's params (``torch.equal``), and
     team's largest difference from them."""
-    from . import OverlapMuon
+    from .. import OverlapMuon
 
     group = dist.new_group(list(range(world)))
     nets, opts = {}, {}
@@ -1418,7 +1418,7 @@ def block_of(x: Tensor, rank: int, world: int) -> Tensor:
 def _case_surplus(o: _Options) -> _CaseResult:
     import dataclasses as _dc
 
-    from scheduler.simulate import SimConfig, simulate
+    from overlap_muon.apps.simulate import SimConfig, simulate
 
     shape = (512, 2048) if o.quick else (2048, 8192)
     world, steps = 2, 5
@@ -1610,12 +1610,12 @@ def _case_memory(o: _Options) -> _CaseResult:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Case: peers (implemented in overlap_muon._bench_peers, which needs torchtitan)
+# Case: peers (implemented in overlap_muon.apps.bench_peers, which needs torchtitan)
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def _case_peers(o: _Options) -> _CaseResult:
-    from ._bench_peers import case_peers
+    from .bench_peers import case_peers
 
     return case_peers(o)
 
@@ -1649,7 +1649,7 @@ def _py_spy(o: _Options) -> dict[str, Any]:
     out = os.path.join(o.trace_dir, "overhead_flame.svg")
     os.makedirs(o.trace_dir, exist_ok=True)
     cmd = [exe, "record", "--output", out, "--format", "flamegraph", "--rate", "250", "--",
-           sys.executable, "-m", "overlap_muon.bench", "--cases", "overhead", "--no-baseline",
+           sys.executable, "-m", "overlap_muon.apps.bench", "--cases", "overhead", "--no-baseline",
            "--repeats", "5" if o.quick else "20"]
     print("recording: " + " ".join(cmd))
     try:
@@ -1671,7 +1671,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="overlap-muon-bench",
         description="Benchmarks of overlap-muon; each case measures our path and its baseline in the same run.",
-        epilog="Every case and ratio is described in the module docstring (pydoc overlap_muon.bench).",
+        epilog="Every case and ratio is described in the module docstring (pydoc overlap_muon.apps.bench).",
     )
     ap.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 cores)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
@@ -1752,8 +1752,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run through the package module, so the functions spawned ranks unpickle are overlap_muon.bench's, not
+    # Run through the package module, so the functions spawned ranks unpickle are overlap_muon.apps.bench's, not
     # __main__'s (a forkserver child has a different __main__).
-    from overlap_muon.bench import main as _main
+    from overlap_muon.apps.bench import main as _main
 
     sys.exit(_main())

@@ -30,7 +30,7 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "overlap_muon._spawn"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "overlap_muon.apps.spawn"])
     return _CTX
 
 

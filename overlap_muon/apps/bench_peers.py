@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .bench import _HP, _CaseResult, _max_over_ranks, _median, _ms, _Options, _ratio, _run_ranks, _timed_steps
-from .optimizer import OverlapMuon
+from ..optimizer import OverlapMuon
 
 __all__ = ["INSTALL_HINT", "import_dist_muon", "dist_muon_cpu_patches", "RATIO_KEYS", "case_peers"]
 

@@ -2,11 +2,11 @@
 
 Usage::
 
-    python -m scheduler.simulate                                  # a 70B-class dense model, TP 8, remat 8, DP 16
-    python -m scheduler.simulate --model llama3-405b --tp 8 --remat 16 --dp 8 --json traces/sim.json
-    python -m scheduler.simulate --shapes 4096x4096,11008x4096,4096x11008 --layers 32 --tp 4 --remat 2
-    python -m scheduler.simulate --matrices 3000 --slots 1000     # "N matrices on K slots": waves, per-wave load
-    python -m scheduler.simulate --surplus all --dp-slots 4       # every surplus policy, with and without DP slots
+    python -m overlap_muon.apps.simulate                                  # a 70B-class dense model, TP 8, remat 8, DP 16
+    python -m overlap_muon.apps.simulate --model llama3-405b --tp 8 --remat 16 --dp 8 --json traces/sim.json
+    python -m overlap_muon.apps.simulate --shapes 4096x4096,11008x4096,4096x11008 --layers 32 --tp 4 --remat 2
+    python -m overlap_muon.apps.simulate --matrices 3000 --slots 1000     # "N matrices on K slots": waves, per-wave load
+    python -m overlap_muon.apps.simulate --surplus all --dp-slots 4       # every surplus policy, with and without DP slots
 
 Pure Python: no ``torch.distributed``, no streams, no device. The planning is the real one
 (:func:`scheduler.plan_waves` with :func:`scheduler.ns_flops` costs), the timing is modelled.
@@ -90,7 +90,7 @@ appended to the from-home item. The simulated lanes are then those of ``D`` repl
 For validation against a measurement, :meth:`SimConfig.from_measured` builds a config from measured per-layer
 forward / backward times, NS rate and link bandwidth (e.g. on a CPU/gloo run), and
 :attr:`SimResult.exposed_fraction_overlap` is the figure to compare with the measured exposed fraction that
-``python -m overlap_muon.timeline`` prints.
+``python -m overlap_muon.apps.timeline`` prints.
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ class SimConfig:
         _pos_float("ns_interference", self.ns_interference, allow_zero=True)
         if self.ns_interference > 1:
             raise ValueError(f"SimConfig.ns_interference must be in [0, 1], got {self.ns_interference!r}")
-        from .surplus import POLICIES
+        from ..scheduler.surplus import POLICIES
 
         if self.surplus not in POLICIES:
             raise ValueError(f"SimConfig.surplus must be one of {POLICIES}, got {self.surplus!r}")
@@ -799,7 +799,7 @@ def _run(cfg: SimConfig, plans: list[_WavePlan], overlap: bool, barrier: bool = 
 
 
 def _surplus_cost_model(cfg: SimConfig) -> Any:
-    from .surplus import SurplusCostModel
+    from ..scheduler.surplus import SurplusCostModel
 
     return SurplusCostModel(ns_flops_per_s=cfg.ns_flops_per_s, ns_steps=cfg.ns_steps,
                             intra_node_bytes_per_s=cfg.intra_node_bytes_per_s,
@@ -814,7 +814,7 @@ def _flows_s(cfg: SimConfig, assignments: Sequence[Any], shapes: Sequence[tuple[
     Every flow of [Note: surplus and DP slots in the model] is added to its sender's and receiver's intra- or
     inter-node bytes; a direction takes ``latency + max`` over ranks and directions of ``bytes / bandwidth``.
     """
-    from .surplus import _dup_served, _Nodes
+    from ..scheduler.surplus import _dup_served, _Nodes
 
     S = cfg.domain_size
     nodes = _Nodes(S, cfg.gpus_per_node)
@@ -862,9 +862,9 @@ def _flows_s(cfg: SimConfig, assignments: Sequence[Any], shapes: Sequence[tuple[
 
 def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan], float]:
     """Waves, per-matrix NS seconds, per-wave lane items, and the bf16 bytes a rank sends to homes per step."""
-    from .cost import ns_flops
-    from .surplus import _estimate_parts, _Nodes, plan_surplus
-    from .waves import plan_waves
+    from ..scheduler.cost import ns_flops
+    from ..scheduler.surplus import _estimate_parts, _Nodes, plan_surplus
+    from ..scheduler.waves import plan_waves
 
     shapes = [s for layer in cfg.layer_shapes for s in layer]
     layer_of = [l for l, layer in enumerate(cfg.layer_shapes) for _ in layer]
@@ -1060,9 +1060,9 @@ def plan_question(
     Raises:
         ValueError: N, K or ``num_ranks`` < 1, an invalid shape, or an unknown policy.
     """
-    from .cost import ns_flops
-    from .homes import load_report
-    from .waves import plan_waves
+    from ..scheduler.cost import ns_flops
+    from ..scheduler.homes import load_report
+    from ..scheduler.waves import plan_waves
 
     for fname, v in (("num_matrices", num_matrices), ("slots", slots)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -1090,7 +1090,7 @@ def plan_question(
         wmax.append(max(per))
         wmean.append(sum(per) / num_ranks)
     load = load_report(ns_s, homes, num_ranks)
-    from .surplus import SurplusCostModel, plan_surplus
+    from ..scheduler.surplus import SurplusCostModel, plan_surplus
 
     cm = cost_model or SurplusCostModel(ns_flops_per_s=ns_flops_per_s, ns_steps=ns_steps)
     all_shapes = [tuple(shapes[i % len(shapes)]) for i in range(num_matrices)]
@@ -1227,9 +1227,9 @@ def _format_policies(rows: list[tuple[str, int, SimResult]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; see the module docstring. Returns the exit status."""
     ap = argparse.ArgumentParser(
-        prog="python -m scheduler.simulate",
+        prog="python -m overlap_muon.apps.simulate",
         description="Discrete-event model of one training step with layer-sharded Muon, with and without overlap.",
-        epilog="Every modelling assumption is listed in the module docstring (pydoc scheduler.simulate).",
+        epilog="Every modelling assumption is listed in the module docstring (pydoc overlap_muon.apps.simulate).",
     )
     ap.add_argument("--model", default="llama3-70b", choices=sorted(MODEL_PRESETS), help="model preset (%(default)s)")
     ap.add_argument("--shapes", help="layer shapes: a JSON file [[[P,Q],...],...] or inline PxQ,PxQ,... (one layer)")
@@ -1274,7 +1274,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 shapes = [s for _, s in MODEL_PRESETS[args.model].layer_matrices()]
             ns_rate = args.ns_flops or args.matmul_flops
-            from .surplus import SurplusCostModel
+            from ..scheduler.surplus import SurplusCostModel
 
             cm = SurplusCostModel(ns_flops_per_s=ns_rate, intra_node_bytes_per_s=args.intra_bw,
                                   inter_node_bytes_per_s=args.inter_bw, ranks_per_node=args.gpus_per_node,

@@ -1,0 +1,193 @@
+"""The communication context: every process group the runtime owns is created here, each with a one-line why.
+
+The runtime's exchanges run on groups of their own, never on the job's default group or on FSDP/DDP/TP groups, so
+they cannot interleave with the training step's collectives. ``new_group`` is collective over the default group:
+every rank creates every group, in one order. Functions elsewhere that run collectives take the group as an
+argument (``tests/test_structure.py`` checks that no other module of the library creates one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .domain import Domain
+
+__all__ = ["CommContext", "build_comm", "domain_from_layouts", "domain_group", "DPSlots", "dp_slot_groups"]
+
+
+def domain_from_layouts(
+    layouts: list[list[list[int]]],
+    *,
+    timeout: datetime.timedelta | None = None,
+    with_ctrl: bool = True,
+) -> Domain:
+    """Build this rank's domain given every domain's ``layout[g][t] = global rank`` (identical on all ranks).
+
+    ``with_ctrl``: also give it a gloo ``ctrl_group`` for host-side flags (the flat group itself when the job's
+    backend is gloo, else a new gloo group over the same ranks).
+
+    ``new_group`` is collective over the default group, so all ranks create all groups in one order.
+
+    Raises:
+        ValueError: a layout is not rectangular, ranks repeat, this rank is in no layout, or global ranks
+            do not increase with ``g*T + t`` (group ranks would not match the coordinates).
+    """
+    me = dist.get_rank() if dist.is_initialized() else 0
+    mine = None
+    seen: set[int] = set()
+    for layout in layouts:
+        R = len(layout)
+        T = len(layout[0]) if R else 0
+        if R == 0 or T == 0 or any(len(row) != T for row in layout):
+            raise ValueError(f"domain layout {layout} is not a rectangular R x T grid of global ranks")
+        flat = [r for row in layout for r in row]
+        if flat != sorted(flat) or len(set(flat)) != len(flat):
+            raise ValueError(
+                f"domain layout {layout}: global ranks must be distinct and increase with g*T + t "
+                "(TP innermost), the layout of init_device_mesh(..., ('remat', 'tp'))"
+            )
+        if seen & set(flat):
+            raise ValueError(f"domain layouts overlap on ranks {sorted(seen & set(flat))}")
+        seen |= set(flat)
+        for g, row in enumerate(layout):
+            for t, r in enumerate(row):
+                if r == me:
+                    mine = (layout, g, t)
+    if mine is None:
+        raise ValueError(f"rank {me} is in none of the domain layouts {layouts}")
+    kw = {} if timeout is None else {"timeout": timeout}
+    # Host-side flags need a gloo group; a gloo job's flat group is one already.
+    gloo_ctrl = with_ctrl and dist.get_backend() != "gloo"
+    groups: dict[tuple[str, tuple[int, ...]], ProcessGroup] = {}
+
+    def make(kind: str, ranks: list[int], **extra: str) -> None:
+        if len(ranks) > 1:
+            groups[(kind, tuple(ranks))] = dist.new_group(ranks=ranks, **kw, **extra)
+
+    for layout in layouts:
+        R, T = len(layout), len(layout[0])
+        for t in range(T):
+            make("remat", [layout[g][t] for g in range(R)])
+        for g in range(R):
+            make("tp", list(layout[g]))
+        make("flat", [r for row in layout for r in row])
+        if gloo_ctrl:
+            make("ctrl", [r for row in layout for r in row], backend="gloo")
+    layout, g, t = mine
+    R, T = len(layout), len(layout[0])
+    return Domain(
+        remat_size=R,
+        tp_size=T,
+        remat_rank=g,
+        tp_rank=t,
+        remat_group=groups.get(("remat", tuple(layout[gg][t] for gg in range(R)))),
+        tp_group=groups.get(("tp", tuple(layout[g]))),
+        flat_group=groups.get(("flat", tuple(r for row in layout for r in row))),
+        ctrl_group=groups.get(("ctrl" if gloo_ctrl else "flat", tuple(r for row in layout for r in row)))
+        if with_ctrl else None,
+    )
+
+
+def domain_group(layouts: list[list[list[int]]] | None, timeout: datetime.timedelta | None = None,
+                 backend: str | None = "gloo") -> ProcessGroup | None:
+    """A new group over this rank's domain of ``layouts`` (``None`` for a one-rank domain or one process), on
+    ``backend`` (gloo by default, for host-side flags; ``None``: the job's backend).
+
+    Collective over the default group: every rank creates every domain's group, in one order."""
+    if not layouts or not (dist.is_available() and dist.is_initialized()):
+        return None
+    me, mine = dist.get_rank(), None
+    kw = {} if timeout is None else {"timeout": timeout}
+    for lay in layouts:
+        ranks = [r for row in lay for r in row]
+        if len(ranks) > 1:
+            group = dist.new_group(ranks=ranks, backend=backend, **kw)
+            mine = group if me in ranks else mine
+    return mine
+
+
+@dataclass(frozen=True)
+class DPSlots:
+    """[Note: DP replicas as NS slots] With replicate dims (HSDP's ``dp_replicate``) every replica of the dense
+    domain holds the same shards and, after the gradient all-reduce, the same gradients, so by default each replica
+    runs the NS of every matrix. With DP slots a wave's homes number ``D * S`` (replica ``h % D``, domain rank
+    ``h // D``: interleaved, so the planner's ties, which go to the lowest home, alternate between replicas): each
+    replica gathers, orthogonalizes and scatters only the matrices homed in it, then every rank
+    swaps its blocks of the results with the same-position rank of the other replicas (one ``all_to_all`` over
+    that DP group, on the from-home lane after the scatter). Same inputs, same NS: bitwise the result of every
+    replica running all of it, at ``1/D`` of the NS and of the domain's exchanges per replica plus the DP swap."""
+
+    size: int  #: D, the number of replicas
+    replica: int  #: this rank's replica, in [0, D)
+    group: dist.ProcessGroup  #: the D ranks at this rank's position in every replica
+
+
+def dp_slot_groups(layouts: list[list[list[int]]], rank: int, timeout: Any) -> tuple[DPSlots, dist.ProcessGroup]:
+    """This rank's :class:`DPSlots` for the replicas ``layouts`` (one ``R x T`` grid each, identical on every
+    rank), and a gloo group over every replica's ranks for the per-wave presence agreement. Collective over the
+    default group: every rank creates every group, in one order."""
+    flats = [[r for row in lay for r in row] for lay in layouts]
+    mine = next(d for d, f in enumerate(flats) if rank in f)
+    pos = flats[mine].index(rank)
+    cols = [[f[p] for f in flats] for p in range(len(flats[0]))]
+    if any(c != sorted(c) for c in cols):  # group rank r must be replica r (the DP swap's split order)
+        raise ValueError(f"dp_slots: the replicas' ranks {flats} do not increase with the replica index at every "
+                         "position; put the replicate dim outside the domain's dims in the mesh")
+    groups = [dist.new_group(ranks=c, timeout=timeout) for c in cols]
+    wide = dist.new_group(ranks=sorted(r for f in flats for r in f), backend="gloo", timeout=timeout)
+    return DPSlots(len(flats), mine, groups[pos]), wide
+
+
+@dataclass(frozen=True)
+class CommContext:
+    """Every group of one ``OverlapMuon``, built by :func:`build_comm`."""
+
+    dom_to: Domain
+    """The dense domain with the gather lane's groups (and a gloo ``ctrl_group`` for each wave's presence check)."""
+    dom_from: Domain
+    """The same domain with the scatter lane's own groups (wave k+1's gather runs beside wave k's scatter)."""
+    ctrl: ProcessGroup | None
+    """gloo, every rank of the job: ``step()``'s agreement on stale waves and gradient presence."""
+    team: ProcessGroup | None
+    """``surplus="team"|"auto"``: the compute lane's own group over the dense domain (team NS collectives)."""
+    dp: DPSlots | None
+    """``dp_slots``: the replicas' DP groups (the DP swap, on the scatter lane)."""
+    expert: tuple[Domain, Domain, ProcessGroup | None] | None
+    """Expert domain: gather lane's, scatter lane's, and a gloo group over it for ``step()``'s presence agreement."""
+
+
+def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[int]]] | None, rank: int, *,
+               timeout_s: float, team: bool, dp_slots: bool, experts: bool) -> CommContext:
+    """Create every group of one optimizer. Collective over the default group.
+
+    Args:
+        layouts / elayouts: every dense / expert domain's ``layout[g][t] = global rank`` (identical on all ranks);
+            ``None``: one process, or no such domain.
+        rank: this rank.
+        timeout_s: timeout of every group, seconds.
+        team: make the team group (``surplus="team"|"auto"``, no DP slots).
+        dp_slots: make the DP-slot groups (the replicas share the dense domain's NS work).
+        experts: make the expert domain's groups.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    distributed = layouts is not None and dist.get_world_size() > 1
+    dom_to = domain_from_layouts(layouts, timeout=timeout) if distributed else Domain.single()
+    dom_from = domain_from_layouts(layouts, timeout=timeout, with_ctrl=False) if distributed else Domain.single()
+    experts_on = experts and elayouts is not None and dist.get_world_size() > 1
+    ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed or experts_on else None
+    team_group = domain_group(layouts, timeout, backend=None) if distributed and team else None
+    dp = None
+    if distributed and dp_slots:
+        dp, wide = dp_slot_groups(layouts, rank, timeout)
+        dom_to = dataclasses.replace(dom_to, ctrl_group=wide)  # presence is agreed over every replica
+    expert = None
+    if experts_on:
+        expert = (domain_from_layouts(elayouts, timeout=timeout),
+                  domain_from_layouts(elayouts, timeout=timeout, with_ctrl=False), domain_group(elayouts, timeout))
+    return CommContext(dom_to, dom_from, ctrl, team_group, dp, expert)

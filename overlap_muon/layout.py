@@ -1,0 +1,42 @@
+"""The ``torch.chunk`` split rule, the one every shard layout and team split of the project follows.
+
+Pure Python (no torch): the planner (``overlap_muon.scheduler``) imports it as well as the layout and math modules,
+which in turn never import the planner (``tests/test_structure.py``)."""
+
+from __future__ import annotations
+
+__all__ = ["chunk_sizes", "team_row_counts"]
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``torch.chunk(x, parts)`` along a dim of length ``n``, padded with zeros to ``parts`` entries.
+
+    This is the split rule of DTensor ``Shard`` placements and FSDP2 ``fully_shard``: blocks of
+    ``ceil(n / parts)``, the last ones partial or empty. E.g. ``chunk_sizes(5, 4) == [2, 2, 1, 0]``.
+    """
+    if parts <= 0:
+        raise ValueError(f"parts must be positive, got {parts}")
+    c = -(-n // parts) if n > 0 else 0
+    out = []
+    left = n
+    for _ in range(parts):
+        s = min(c, left)
+        out.append(s)
+        left -= s
+    return out
+
+
+def team_row_counts(m: int, k: int) -> list[int]:
+    """Rows of each of ``k`` team members for an ``(m, n)`` (oriented, ``m <= n``) matrix: ``torch.chunk`` sizes.
+
+    ``torch.chunk`` gives ``ceil(m / k)`` rows to each leading member and the rest to the last ones, some possibly
+    empty (the shard layouts use the same rule). E.g. ``m=10, k=4``: ``[3, 3, 3, 1]``; ``m=2, k=3``: ``[1, 1, 0]``.
+
+    Raises:
+        ValueError: ``m < 0`` or ``k < 1``.
+    """
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ValueError(f"rows must be an int >= 0, got {m!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"team size must be an int >= 1, got {k!r}")
+    return chunk_sizes(m, k)

@@ -1,0 +1,122 @@
+"""The house's boundaries, checked on the source (``ast``, nothing imported):
+
+* the library (``overlap_muon`` but ``overlap_muon.apps``, with ``hooks/`` and ``scheduler/`` installed as
+  ``overlap_muon.hooks`` and ``overlap_muon.scheduler``) never imports the apps;
+* the math and layout modules never import the planner, and the planner never imports torch;
+* only the communication context (``overlap_muon/comm.py``) creates process groups, and only the lanes
+  (``overlap_muon/lanes.py``) create streams, events or threads;
+* nothing imports the old top-level names ``hooks`` and ``scheduler``.
+
+Each rule is shown to catch a planted violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: repository folder -> the import package it installs as
+PACKAGES = {"overlap_muon": "overlap_muon", "hooks": "overlap_muon.hooks", "scheduler": "overlap_muon.scheduler"}
+MATH_AND_LAYOUT = {"overlap_muon.ns", "overlap_muon.muon_math", "overlap_muon.team_ns", "overlap_muon.split",
+                   "overlap_muon.domain", "overlap_muon.layout", "overlap_muon.layer_sharded_a2a"}
+GROUP_MAKERS = {"new_group", "new_subgroups", "init_device_mesh", "split_group"}
+LANE_MAKERS = {"Stream", "Event", "Thread", "ThreadPoolExecutor"}
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """Import name -> file, for every library module (the apps excluded)."""
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((root / folder).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, absolute module)`` of every import in the module ``name`` (relative imports resolved)."""
+    package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out += [(node.lineno, mod)] + [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+    return out
+
+
+def _calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, called name)`` of every call: ``f(...)`` -> ``f``, ``x.y.f(...)`` -> ``f``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name:
+                out.append((node.lineno, name))
+    return out
+
+
+def violations(root: Path) -> list[str]:
+    """Every boundary the tree under ``root`` crosses, one line each."""
+    bad = []
+    for name, path in _modules(root).items():
+        tree = ast.parse(path.read_text(), str(path))
+        where = os.path.relpath(path, root)
+        for line, mod in _imports(name, path, tree):
+            if mod == "overlap_muon.apps" or mod.startswith("overlap_muon.apps."):
+                bad.append(f"{where}:{line}: the library imports the apps ({mod})")
+            if name in MATH_AND_LAYOUT and mod.startswith("overlap_muon.scheduler"):
+                bad.append(f"{where}:{line}: a math/layout module imports the planner ({mod})")
+            if name.startswith("overlap_muon.scheduler") and (mod == "torch" or mod.startswith("torch.")):
+                bad.append(f"{where}:{line}: the planner imports torch ({mod})")
+        for line, call in _calls(tree):
+            if call in GROUP_MAKERS and name != "overlap_muon.comm":
+                bad.append(f"{where}:{line}: creates a process group ({call}) outside overlap_muon/comm.py")
+            if call in LANE_MAKERS and name != "overlap_muon.lanes":
+                bad.append(f"{where}:{line}: creates a stream/event/thread ({call}) outside overlap_muon/lanes.py")
+    for path in sorted(root.rglob("*.py")):
+        if ".venv" in path.parts or ".git" in path.parts:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                     else [])
+            for n in names:
+                if n.split(".")[0] in ("hooks", "scheduler"):
+                    bad.append(f"{os.path.relpath(path, root)}:{node.lineno}: imports the top-level name {n!r}; "
+                               f"use overlap_muon.{n}")
+    return bad
+
+
+def test_the_tree_keeps_its_boundaries():
+    assert not violations(ROOT), "\n".join(violations(ROOT))
+
+
+def test_planted_violations_are_caught(tmp_path):
+    for folder in PACKAGES:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    plants = {
+        "overlap_muon/ns.py": "from .scheduler.cost import ns_flops\n",
+        "overlap_muon/pipeline.py": "from .apps import bench\n",
+        "overlap_muon/optimizer.py": "import torch.distributed as _d\n_g = _d.new_group([0])\n",
+        "overlap_muon/config.py": "import threading\n_t = threading.Thread(target=print)\n",
+        "scheduler/waves.py": "import torch\n",
+        "hooks/ownership.py": "from scheduler import plan_waves\n",
+    }
+    for rel, text in plants.items():
+        with open(tmp_path / rel, "a") as f:
+            f.write(text)
+    found = "\n".join(violations(tmp_path))
+    for rel, what in (("overlap_muon/ns.py", "imports the planner"), ("overlap_muon/pipeline.py", "imports the apps"),
+                      ("overlap_muon/optimizer.py", "creates a process group"),
+                      ("overlap_muon/config.py", "stream/event/thread"), ("scheduler/waves.py", "imports torch"),
+                      ("hooks/ownership.py", "top-level name 'scheduler'")):
+        assert any(rel in line and what in line for line in found.splitlines()), (rel, what, found)

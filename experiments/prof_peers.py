@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from overlap_muon.apps import bench_peers as bp
+from overlap_muon.apps.bench import peers as bp
 from overlap_muon.apps.spawn import spawn_ranks
 
 _acc: dict[str, float] = defaultdict(float)

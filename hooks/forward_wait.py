@@ -97,10 +97,10 @@ def register_forward_waits(
     """Register ``wait(module)`` to run before each module's forward, ahead of every other pre-hook.
 
     Hooks are registered with ``prepend=True``: FSDP2 all-gathers a module's sharded params in its own
-    forward pre-hook, so the wait must run first or the forward would gather stale shards (DESIGN.md
-    "[Note: FSDP2 and hook order]"). A prepended hook registered after ``fully_shard`` sees the sharded
-    DTensor params. ``wait`` returns nothing; it blocks (or enqueues a stream wait) until the module's
-    update has landed. A module listed twice is hooked once.
+    forward pre-hook, so the wait must run first or the forward would gather stale shards ([Note: FSDP2 and hook
+    order] in docs/design.md). A prepended hook registered after ``fully_shard`` sees the sharded DTensor params.
+    ``wait`` returns nothing; it blocks (or enqueues a stream wait) until the module's update has landed. A module
+    listed twice is hooked once.
 
     Under ``torch.compile`` see [Note: forward waits under torch.compile]: the hook runs eagerly at the top of a
     compiled module and traces to nothing inside one.

@@ -27,7 +27,7 @@ class GradReadyTracker:
     grad has been *enqueued*; stream ordering is the consumer's business.
 
     [Note: end of backward] ``on_backward_end`` must run once after the last gradient of a backward pass, so
-    that params whose hooks never fired (unused, no grad) can be flushed (DESIGN.md §4 invariant 3). Autograd
+    that params whose hooks never fired (unused, no grad) can be flushed (docs/design.md, invariant 3). Autograd
     has no public per-parameter-set "backward done" hook, but its engine runs callbacks queued with
     ``Variable._execution_engine.queue_callback`` once the current graph task has finished (this is how DDP
     and FSDP finalize). The first hook that fires in a graph task queues it; the graph task id

@@ -1,5 +1,5 @@
 """Collective checks at construction: bad input and mismatched plans are a clear error on every rank, before any
-rank enters an exchange (DESIGN.md invariant 6)."""
+rank enters an exchange (docs/design.md, invariant 3)."""
 
 from __future__ import annotations
 
@@ -59,10 +59,10 @@ def option_errors(config: OverlapMuonConfig) -> list[str]:
             "the same arguments and environment"]
 
 
-def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave]) -> None:
+def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], plans: Sequence[Any] = ()) -> None:
     """Every rank must plan the same waves, or the exchanges would pair up wrongly: compare a hash of the plan
-    (``scheduler.plan_hash``) across ranks, once, at construction (the options were compared before the groups
-    were made, :func:`option_errors`).
+    (``scheduler.plan_hash``, over the params' places and ``plans``: each wave plan's ``describe()``) across ranks,
+    once, at construction (the options were compared before the groups were made, :func:`option_errors`).
 
     Raises:
         ValueError: on every rank, naming the first param whose place in the plan differs.
@@ -73,7 +73,7 @@ def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave]) -> N
     fps = param_fingerprints(names, [m.full_shape for m in muon], [m.partition_dim for m in muon],
                              waves)
     hashes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, plan_hash(fps))
+    dist.all_gather_object(hashes, plan_hash(fps, tuple(plans)))
     if len(set(hashes)) == 1:
         return
     both: list[Any] = [None] * dist.get_world_size()

@@ -1,4 +1,4 @@
-"""The runtime's options: one frozen config, read from the environment once (DESIGN.md section 5).
+"""The runtime's options: one frozen config, read from the environment once (the README's toggle table).
 
 Precedence: a constructor argument (not ``None``) overrides the environment variable, which overrides the
 default. Each field names its variable and, for a string, its choices in its ``metadata``; the environment is

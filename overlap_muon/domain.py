@@ -3,11 +3,16 @@
 A rank of the domain has coordinates ``(g, t)`` (``g`` in ``[0, R)``, ``t`` in ``[0, T)``) and flat index
 ``g*T + t`` (TP innermost). The runtime never communicates on the model's process groups: it builds its own
 (``remat_group``: the R ranks sharing ``t``; ``tp_group``: the T ranks sharing ``g``; ``flat_group``: all R*T
-ranks), so its exchanges cannot interleave with FSDP/DDP/TP collectives (DESIGN.md section 3).
+ranks), so its exchanges cannot interleave with FSDP/DDP/TP collectives (docs/design.md §3).
 
 Group ranks follow global-rank order (``torch.distributed.new_group`` sorts), so the builders require the
 standard layout in which global ranks increase with ``g*T + t`` inside a domain; then the group rank is ``g`` in
 ``remat_group``, ``t`` in ``tp_group`` and ``g*T + t`` in ``flat_group``.
+
+Discovery, a ``DeviceMesh`` or explicit groups -> the layouts of every domain (:func:`discover_layouts`,
+:func:`discover_expert_layouts`, :func:`mesh_dims`, :func:`my_coords`), is in ``overlap_muon/discovery.py`` and
+re-exported here; this module keeps the layout rule (:func:`block`), :class:`Domain`, and the placement of each
+param in its domain (:func:`describe_param`, :func:`describe_expert_param`).
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from .discovery import discover_expert_layouts, discover_layouts, mesh_dims, my_coords
 from .layout import chunk_sizes
 
 try:
@@ -29,7 +34,7 @@ except Exception:  # pragma: no cover
 
 __all__ = [
     "Domain", "MuonParam", "chunk_sizes", "chunk_offsets", "block", "block_shape", "local_tensor", "discover_layouts",
-    "describe_param", "mesh_dims", "discover_expert_layouts", "describe_expert_param",
+    "describe_param", "mesh_dims", "discover_expert_layouts", "describe_expert_param", "my_coords",
 ]
 
 
@@ -46,7 +51,7 @@ def block(
 ) -> tuple[int, int, int, int]:
     """``(row0, rows, col0, cols)`` of rank ``(g, t)``'s block of a full ``(P, Q)`` matrix: THE layout rule.
 
-    DESIGN.md section 2 (``torch.chunk`` splits, blocks may be uneven or empty), which is what FSDP2
+    docs/design.md §2 (``torch.chunk`` splits, blocks may be uneven or empty), which is what FSDP2
     ``fully_shard`` over the remat dim plus DTensor TP produce:
 
     * ``partition_dim=0``: TP splits the rows into T blocks, remat splits TP block ``t``'s rows into R; rank
@@ -109,7 +114,7 @@ class Domain:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Discovery: a DeviceMesh or explicit groups -> the layouts of every domain; a param -> its place in the domain.
+# Placement: a param -> its place in the domain (the layouts of the domains: ``overlap_muon/discovery.py``).
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -126,7 +131,7 @@ class MuonParam:
     name: str  #: the model's name for it
     param: Tensor  #: nn.Parameter, DTensor or plain; its local shard is ``local_tensor(param)``
     full_shape: tuple[int, int]  #: (P, Q), the full shape as stored: the layout and the routing use it
-    partition_dim: int | None  #: TP split: 0, 1 or None (DESIGN.md section 2)
+    partition_dim: int | None  #: TP split: 0, 1 or None (docs/design.md §2)
     replicated: bool = False
     """The whole ``(P, Q)`` matrix on every rank of the domain (a plain param with no ``partition_dim``, or a
     DTensor replicated over both mesh dims): its NS runs locally on every rank, no exchange ([Note: replicated
@@ -153,112 +158,6 @@ class MuonParam:
         """The ``(out, in)`` shape NS and the lr ratio see: :attr:`full_shape`, reversed when :attr:`transposed`."""
         P, Q = self.full_shape
         return (Q, P) if self.transposed else (P, Q)
-
-
-def mesh_dims(mesh: Any, remat_dim: str | None = "remat", tp_dim: str | None = "tp") -> tuple[
-    tuple[str | None, str | None], str | None
-]:
-    """Which dims of ``mesh`` are the domain's remat and TP dims: ``((remat_name, tp_name), error)``.
-
-    A name is ``None`` when the domain has no such dim (size 1). Every other dim of the mesh is a *replicate* dim
-    (e.g. ``dp_replicate`` of an HSDP mesh): it is not part of the domain, each of its indices holds its own domain
-    (:func:`discover_layouts`), and the Muon params must be ``Replicate`` on it.
-
-    * 1-D mesh: its dim is TP when named ``tp_dim``, remat otherwise (also when unnamed).
-    * n-D mesh: ``remat_dim`` and ``tp_dim`` must be dim names of the mesh (``None`` leaves that dim out), e.g.
-      torchtitan's ``("dp_shard", "tp")`` with ``remat_dim="dp_shard"``.
-
-    Returns:
-        ``error`` is a message naming the mesh's dims and the expectation (or ``None``).
-    """
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim == 1:
-        return ((None, names[0]) if names and names[0] == tp_dim else (names[0] if names else None, None)), None
-    if not names:
-        return (None, None), (f"a {mesh.ndim}-D device_mesh needs dim names (init_device_mesh(..., mesh_dim_names=...)) "
-                              "to tell its remat and TP dims apart")
-    if remat_dim is not None and remat_dim == tp_dim:
-        return (None, None), f"remat_dim and tp_dim are both {remat_dim!r}; they must be different dims"
-    missing = [(arg, v) for arg, v in (("remat_dim", remat_dim), ("tp_dim", tp_dim)) if v is not None and v not in names]
-    if missing:
-        said = ", ".join(f"{arg}={v!r}" for arg, v in missing)
-        return (None, None), (
-            f"device_mesh has dims {names}, which do not include {said}: pass OverlapMuon(..., remat_dim=<the dim "
-            "FSDP shards the params over>, tp_dim=<the tensor-parallel dim>) naming dims of this mesh (e.g. "
-            "remat_dim='dp_shard' for torchtitan), or None for a dim the domain does not have"
-        )
-    return (remat_dim, tp_dim), None
-
-
-def discover_layouts(
-    mesh: Any, tp_group: ProcessGroup | None, remat_group: ProcessGroup | None,
-    remat_dim: str | None = "remat", tp_dim: str | None = "tp",
-) -> tuple[list[list[list[int]]] | None, str | None]:
-    """The layouts ``layout[g][t] = global rank`` of every domain of the job, identical on every rank.
-
-    From a ``DeviceMesh`` (the remat and TP dims named by ``remat_dim`` / ``tp_dim``, see :func:`mesh_dims`; the
-    other dims are replicate dims, each index of them a domain of its own) or from explicit groups
-    (``remat_group`` x ``tp_group``). Collective over the default group (``all_gather_object``) when distributed.
-
-    Returns:
-        ``(layouts, error)``: ``layouts`` is ``None`` for one process without groups; ``error`` is a message
-        (the caller raises it on every rank) or ``None``.
-    """
-    initialized = dist.is_available() and dist.is_initialized()
-    if mesh is not None:
-        if tp_group is not None or remat_group is not None:
-            return None, "pass either device_mesh or tp_group/remat_group, not both"
-        (rname, tname), err = mesh_dims(mesh, remat_dim, tp_dim)
-        if err is not None:
-            return None, err
-        grid = mesh.mesh
-        if mesh.ndim == 1:
-            layout = [grid.tolist()] if tname is not None else [[r] for r in grid.tolist()]
-            return _gather_layouts(layout), None
-        names = tuple(mesh.mesh_dim_names)
-        coord = mesh.get_coordinate()
-        if coord is None:
-            return None, f"this rank ({dist.get_rank()}) is not in the device_mesh {grid.tolist()}"
-        # Fix every replicate dim at this rank's index, then order the remaining dims (remat, tp).
-        index = [slice(None) if n in (rname, tname) else c for n, c in zip(names, coord)]
-        sub = grid[tuple(index)]
-        kept = [n for n in names if n in (rname, tname)]
-        if rname is None:
-            sub, kept = sub.unsqueeze(0), [None] + kept
-        if tname is None:
-            sub, kept = sub.unsqueeze(-1), kept + [None]
-        if kept[0] != rname:
-            sub = sub.transpose(0, 1)
-        return _gather_layouts(sub.tolist()), None
-    if not initialized or (tp_group is None and remat_group is None):
-        return None, None
-    me, world = dist.get_rank(), dist.get_world_size()
-    tp_ranks = dist.get_process_group_ranks(tp_group) if tp_group is not None else [me]
-    remat_ranks = dist.get_process_group_ranks(remat_group) if remat_group is not None else [me]
-    info: list[Any] = [None] * world
-    dist.all_gather_object(info, (sorted(remat_ranks), sorted(tp_ranks)))
-    layout = [info[r][1] for r in sorted(remat_ranks)]
-    return _gather_layouts(layout), None
-
-
-def _gather_layouts(layout: list[list[int]]) -> list[list[list[int]]]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [layout]
-    allp: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(allp, layout)
-    uniq: dict[str, list[list[int]]] = {}
-    for lay in allp:
-        uniq.setdefault(repr(lay), lay)
-    return sorted(uniq.values(), key=lambda lay: lay[0][0])
-
-
-def my_coords(layouts: list[list[list[int]]] | None, rank: int) -> tuple[int, int, int, int]:
-    """``(R, T, g, t)`` of ``rank`` in its domain (``(1, 1, 0, 0)`` without layouts)."""
-    for lay in layouts or ():
-        for g, row in enumerate(lay):
-            if rank in row:
-                return len(lay), len(row), g, row.index(rank)
-    return 1, 1, 0, 0
 
 
 def _is_strided_or_shard0(p: Any) -> bool:
@@ -386,51 +285,8 @@ def describe_param(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The expert domain ([Note: two domains])
+# The expert domain ([Note: two domains], with ``discover_expert_layouts`` in ``overlap_muon/discovery.py``)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def discover_expert_layouts(
-    mesh: Any, etp_group: ProcessGroup | None, ep_dim: str = "ep", etp_dim: str = "etp"
-) -> tuple[list[list[list[int]]] | None, str | None]:
-    """The layouts of every expert domain (``1 x ETP`` grids of global ranks), identical on every rank.
-
-    [Note: two domains] Expert weights are sharded over expert parallelism (EP: which experts a rank holds) and
-    expert tensor parallelism (ETP: how each expert matrix is split), a layout unrelated to the dense
-    ``remat x TP`` one. An expert matrix is shared only by the ETP ranks holding it, so its weight-shard domain is
-    the ETP group; every EP index holds a domain of its own with its own experts (as a replicate dim holds its own
-    copy of the dense domain). Without ETP (no ``etp_dim`` in the mesh, no ``etp_group``) each rank's experts are
-    its own: a ``1 x 1`` domain per rank, NS runs where the matrix lives, nothing is exchanged. Both domains' waves
-    are cut from one readiness order into one wave list that every rank launches in the same order
-    (``OverlapMuon._plan``), and each lane runs its tasks in that order, so every rank posts the collectives of
-    both domains in one global order: the dense groups span the expert ones, and a rank can only wait for a peer
-    that is waiting for an earlier collective of the same order, never for a later one (no cycle, no hang). A
-    rank whose experts have no gradient in a step still runs the (empty) waves' presence agreement within its ETP
-    group and skips their exchanges, as its ETP peers do.
-
-    Args:
-        mesh: a ``DeviceMesh`` with an ``ep_dim`` and/or an ``etp_dim`` (other dims are replicate dims).
-        etp_group: for plain-tensor expert params, this rank's ETP group (not with ``mesh``).
-
-    Returns:
-        ``(layouts, error)``; ``layouts`` is ``None`` for one process.
-    """
-    initialized = dist.is_available() and dist.is_initialized()
-    if mesh is not None:
-        if etp_group is not None:
-            return None, "pass either expert_mesh or etp_group, not both"
-        names = tuple(mesh.mesh_dim_names or ())
-        if ep_dim not in names and etp_dim not in names:
-            return None, (f"expert_mesh has dims {names}, which include neither ep_dim={ep_dim!r} nor "
-                          f"etp_dim={etp_dim!r}; name its expert-parallel and expert-TP dims (OverlapMuon(..., "
-                          "ep_dim=..., etp_dim=...))")
-        if etp_dim in names:
-            return discover_layouts(mesh, None, None, remat_dim=None, tp_dim=etp_dim)
-    elif etp_group is not None:
-        return discover_layouts(None, etp_group, None)
-    if not initialized or dist.get_world_size() == 1:
-        return None, None
-    return [[[r]] for r in range(dist.get_world_size())], None
 
 
 def describe_expert_param(

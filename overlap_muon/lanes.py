@@ -1,6 +1,6 @@
 """The lane context: every side stream / worker thread of the runtime lives here.
 
-A wave runs as three tasks on three lanes, each lane FIFO in wave order (DESIGN.md invariant 2):
+A wave runs as three tasks on three lanes, each lane FIFO in wave order (docs/design.md, invariant 2):
 
 - ``to_home``   -- momentum update + bf16 cast + pack, then the ``all_to_all`` to the NS homes;
 - ``compute``   -- batched NS on the home;
@@ -26,8 +26,6 @@ Backends:
 from __future__ import annotations
 
 import concurrent.futures as cf
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,15 +46,13 @@ class LaneHandle:
             later tasks, forward pre-hooks and ``synchronize()``).
     """
 
-    __slots__ = ("lane", "future", "event", "value", "t_start", "t_end")
+    __slots__ = ("lane", "future", "event", "value")
 
     def __init__(self, lane: str) -> None:
         self.lane = lane
         self.future: cf.Future | None = None
         self.event: Any = None
         self.value: Any = None
-        self.t_start = 0.0  #: time.perf_counter() when the task started, seconds
-        self.t_end = 0.0  #: time.perf_counter() when the task finished (host side), seconds
 
     def result(self) -> Any:
         """Block the calling thread until the task is done (host side) and return its value; re-raise its error."""
@@ -85,18 +81,14 @@ class Lanes:
     Args:
         device: where the Muon params live.
         side_streams: False runs every task inline on the calling thread.
-        delay_s: test hook: extra seconds slept at the start of each ``compute`` task (makes NS slow on purpose
-            so a test can observe overlap by the order of timestamps).
     """
 
-    def __init__(self, device: torch.device, *, side_streams: bool = True, delay_s: float = 0.0) -> None:
+    def __init__(self, device: torch.device, *, side_streams: bool = True) -> None:
         self.device = device
         self.cuda = device.type == "cuda" and side_streams
         self.inline = not side_streams
-        self.delay_s = delay_s
         self._executors: dict[str, cf.ThreadPoolExecutor] = {}
         self._streams: dict[str, Any] = {}
-        self._lock = threading.Lock()
         if self.cuda:
             # to_home: pack + gather all_to_all, off the default stream so backward kernels keep running.
             self._streams["to_home"] = torch.cuda.Stream(device=device)
@@ -118,18 +110,11 @@ class Lanes:
         value are kept by the caller (``WaveState``) until its event completes.
         """
         h = LaneHandle(lane)
-        delay = self.delay_s if lane == "compute" else 0.0
-
         def run() -> Any:
             for d in deps:
                 d.result()
-            if delay:
-                time.sleep(delay)
-            h.t_start = time.perf_counter()
             with torch.no_grad():
-                out = fn()
-            h.t_end = time.perf_counter()
-            return out
+                return fn()
 
         if self.cuda:
             stream = self._streams[lane]
@@ -138,10 +123,8 @@ class Lanes:
                 if d.event is not None:
                     stream.wait_event(d.event)
             with torch.cuda.stream(stream):
-                h.t_start = time.perf_counter()
                 with torch.no_grad():
                     out = fn()
-                h.t_end = time.perf_counter()
                 h.event = torch.cuda.Event()
                 h.event.record(stream)
             h.value = out

@@ -2,7 +2,7 @@
 
 Mirrors ``torch/optim/_muon.py`` (torch 2.13, ``_single_tensor_muon``) operation for operation, so that each
 rank can run it on its own shard and get bit for bit what ``torch.optim.Muon`` gets on the whole matrix (the
-ops are elementwise, DESIGN.md section 1):
+ops are elementwise, docs/design.md §1):
 
 =============================  ==============================================================
 torch.optim.Muon               here

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 
-__all__ = ["zeropower", "adjusted_lr", "spectral_unclamped_ratio", "ADJUST_LR_EXTENSIONS",
+__all__ = ["zeropower", "adjusted_lr",
            "DEFAULT_NS_COEFFICIENTS", "SYRK_BLOCK", "sym_gram", "sym_poly"]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -214,56 +214,18 @@ def zeropower(
     return x
 
 
-#: ``adjust_lr_fn`` values that ``torch.optim.Muon`` (torch 2.13) does not know and this package documents as
-#: extensions. torch 2.13's ``Muon.__init__`` accepts only ``None``, ``"original"`` and ``"match_rms_adamw"`` (any
-#: other value is a ``ValueError``, and its ``_adjust_lr`` would use ratio 1.0), so an extension has no reference
-#: in torch to be bitwise equal to; its reference is the formula below.
-ADJUST_LR_EXTENSIONS: tuple[str, ...] = ("spectral_unclamped",)
-
-
-def spectral_unclamped_ratio(full_shape: Sequence[int]) -> float:
-    """Learning-rate ratio ``sqrt(P / Q)`` of a full ``(P, Q)`` (fan_out, fan_in) Muon matrix.
-
-    Muon's orthogonalized update has spectral norm about 1; scaling it by ``sqrt(fan_out / fan_in)`` gives the
-    update the spectral norm that the spectral condition for feature learning asks of a hidden layer (Yang,
-    Simon and Bernstein, "A Spectral Condition for Feature Learning", arXiv:2310.17813, condition on
-    ``||dW||_* ~ sqrt(fan_out / fan_in)``). ``"original"`` (Keller Jordan) is the same ratio clamped below at 1,
-    ``sqrt(max(1, P / Q))``; unclamped, wide matrices (``P < Q``) get a ratio below 1. torchtitan 0.3.0's
-    DistMuon offers it under this name (``adjust_lr_fn="spectral_unclamped"``, ``math.sqrt(rows / columns)`` in
-    ``torchtitan/distributed/flex_shard/dist_muon.py``, ``_adjust_muon_learning_rate``); this is the same float.
-
-    Args:
-        full_shape: the FULL logical ``(P, Q)`` shape (never a shard's), ``P >= 0``, ``Q > 0``.
-
-    Returns:
-        ``math.sqrt(P / Q)`` (a Python float, dimensionless).
-
-    Raises:
-        ValueError: ``full_shape`` does not have two dims, or ``Q <= 0`` or ``P < 0``.
-    """
-    if len(full_shape) < 2:
-        raise ValueError(f"spectral_unclamped needs a (P, Q) shape, got {tuple(full_shape)!r}")
-    P, Q = full_shape[0], full_shape[1]
-    if Q <= 0 or P < 0:
-        raise ValueError(f"spectral_unclamped needs P >= 0 and Q > 0, got shape {tuple(full_shape)!r}")
-    return math.sqrt(P / Q)
-
-
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, full_shape: Sequence[int]) -> float:
     """``torch.optim.Muon``'s learning-rate adjustment, always on the FULL logical ``(P, Q)`` shape.
 
     ``None``/``"original"``: ``lr * sqrt(max(1, P/Q))`` (Keller Jordan); ``"match_rms_adamw"``:
-    ``lr * 0.2 * sqrt(max(P, Q))`` (Moonshot, "Muon is Scalable for LLM Training", arXiv:2502.16982);
-    ``"spectral_unclamped"`` (an extension, see :data:`ADJUST_LR_EXTENSIONS`): ``lr * sqrt(P/Q)``
-    (:func:`spectral_unclamped_ratio`). Any other value gives ratio 1.0, as ``torch.optim._muon._adjust_lr`` does.
+    ``lr * 0.2 * sqrt(max(P, Q))`` (Moonshot, "Muon is Scalable for LLM Training", arXiv:2502.16982). Any other
+    value gives ratio 1.0, as ``torch.optim._muon._adjust_lr`` does (``check_hyperparameters`` rejects them).
     """
     A, B = full_shape[0], full_shape[1]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         ratio = math.sqrt(max(1, A / B))
     elif adjust_lr_fn == "match_rms_adamw":
         ratio = 0.2 * math.sqrt(max(A, B))
-    elif adjust_lr_fn == "spectral_unclamped":
-        ratio = spectral_unclamped_ratio(full_shape)
     else:
         ratio = 1.0
     return lr * ratio

@@ -30,7 +30,8 @@ from .hooks import (
     compile_boundary, register_forward_waits, weak_callback,
 )
 from .scheduler import ReadinessRecorder, WaveDispatcher, ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
-from .scheduler.surplus import CPU_GLOO, duplicate_homes, every_rank_kinds
+from .scheduler.kinds import plan_kinds
+from .scheduler.surplus import CPU_GLOO
 from .scheduler.waves import Wave
 
 from . import version_fix
@@ -41,7 +42,7 @@ from .comm import build_comm
 from .domain import Domain, discover_expert_layouts, discover_layouts, local_tensor, mesh_dims, my_coords
 from .muon_math import check_hyperparameters
 from .ns import DEFAULT_NS_COEFFICIENTS
-from .pipeline import Hyper, TestingSeam, WavePipeline
+from .pipeline import Hyper, WavePipeline
 from .placement import place_params
 from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
 from .split import SplitArg
@@ -65,11 +66,14 @@ except Exception:  # pragma: no cover
 _OWNERS = ParamOwners(lambda opt: getattr(opt, "_finalizer", None) is not None and opt._finalizer.alive)
 
 
-def _remove_all(handles: list, pipeline: WavePipeline) -> None:
-    """Finalizer of an OverlapMuon (``close()`` or garbage collection): unhook, stop the lane threads."""
+def _remove_all(handles: list, pipeline: WavePipeline, fixed: bool) -> None:
+    """Finalizer of an OverlapMuon (``close()`` or garbage collection): unhook, stop the lane threads, and give
+    back the version fix (the last overlap optimizer removes it)."""
     for h in handles:
         h.remove()
     pipeline.close()
+    if fixed:
+        version_fix.release()
 
 
 def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], expert_layout: bool) -> list[str]:
@@ -138,7 +142,7 @@ class OverlapMuon(torch.optim.Optimizer):
         remat_dim, tp_dim: see ``device_mesh`` (torchtitan: ``remat_dim="dp_shard"`` or ``"fsdp"``).
         tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``; a plain
             param without one holds the whole matrix and is replicated: [Note: replicated params] in ``domain.py``).
-        experts: the expert params (MoE), routed on their own domain ([Note: two domains] in ``domain.py``): an
+        experts: the expert params (MoE), routed on their own domain ([Note: two domains] in ``discovery.py``): an
             ``fnmatch`` pattern of param names, a list of them, or a ``(name, param) -> bool`` callable. A selected
             param is a Muon param (with a custom ``muon_filter``, the filter must pick it too): a 2-D linear of one
             expert, or a 3-D ``(E, P, Q)`` grouped weight, which is ``E`` matrices for NS (equal to
@@ -191,7 +195,6 @@ class OverlapMuon(torch.optim.Optimizer):
         ep_dim: str = "ep",
         etp_dim: str = "etp",
         etp_group: dist.ProcessGroup | None = None,
-        _testing: TestingSeam | None = None,
         **options: Any,
     ) -> None:
         from torch.nn.parallel import DistributedDataParallel
@@ -208,7 +211,6 @@ class OverlapMuon(torch.optim.Optimizer):
         if muon_filter is not None and not callable(muon_filter):
             raise TypeError("muon_filter must be callable (name, param) -> bool")
         self.config: OverlapMuonConfig = resolve_config(**options)
-        self._testing = _testing or TestingSeam()
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         _OWNERS.claim(model.parameters(), self, "OverlapMuon: another live OverlapMuon already drives this model's "
                       "params; call its close() before building a new one on the same model")
@@ -258,9 +260,6 @@ class OverlapMuon(torch.optim.Optimizer):
         raise_everywhere(errors)
         if self._rank == 0:
             self._log_split(adamw_groups_, all_named)
-        if self.config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
-            dtensors = [m.param for m in self._muon if isinstance(m.param, DTensor)]
-            version_fix.install(dtensors[0].device_mesh if dtensors else None)
 
         # ---- runtime groups (collective over the default group): overlap_muon.comm ----------------------------
         distributed = layouts is not None and dist.get_world_size() > 1
@@ -295,7 +294,7 @@ class OverlapMuon(torch.optim.Optimizer):
         ``skipped_steps``."""
         device = local_tensor(self._muon[0].param).device if self._muon else torch.device("cpu")
         self._pipeline = WavePipeline(self._muon, self.state, comm.dom_to, comm.dom_from, self.config, device,
-                                      self.stats, comm.ctrl, self._testing, expert_doms=comm.expert, dp_slots=comm.dp,
+                                      self.stats, comm.ctrl, expert_doms=comm.expert, dp_slots=comm.dp,
                                       team_group=comm.team)
         self._async = self.config.overlap and self.config.async_step
         self._pipeline.keep_momentum = self._async  # the apply runs after step() returns: it must not read .grad
@@ -312,7 +311,7 @@ class OverlapMuon(torch.optim.Optimizer):
                              else ns_flops(m.ns_shape, ns_steps)) for m in self._muon]
         self._recorder = ReadinessRecorder(len(self._muon)) if self.config.readiness_order == "observed" else None
         self._plan(list(reversed(range(len(self._muon)))))
-        check_plan_everywhere(self._muon, self._waves)
+        check_plan_everywhere(self._muon, self._waves, [p.describe() for p in self._plans])
         self._accumulating = False
         self._commit_at_launch = False  # step() of a synchronous step: its waves commit momentum as they pack
         self._warned_reruns = False
@@ -338,7 +337,10 @@ class OverlapMuon(torch.optim.Optimizer):
                 self._register_waits(model)
         self._handles.append(model.register_state_dict_pre_hook(weak_callback(self._sync_hook)))
         self._fsdp_roots = _fsdp_roots(model)
-        self._finalizer = weakref.finalize(self, _remove_all, self._handles, self._pipeline)
+        if self.config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
+            dtensors = [m.param for m in self._muon if isinstance(m.param, DTensor)]
+            version_fix.acquire(dtensors[0].device_mesh if dtensors else None)
+        self._finalizer = weakref.finalize(self, _remove_all, self._handles, self._pipeline, self.config.overlap)
         self._built = True
         if ddp is not None:
             self.attach_ddp(ddp)
@@ -397,22 +399,13 @@ class OverlapMuon(torch.optim.Optimizer):
             return plan_waves(sub_order, costs, size, wave_slots=slots, balance=cfg.balance, taper=cfg.overlap)
 
         self._waves: list[Wave] = plan_by_domain(order, [m.domain for m in self._muon], one)
-        self._pipeline.reset_plans()
-        if cfg.surplus != "idle" and cfg.mode == "layer_sharded" and self._pipeline.dp is None:
-            # teams run on the dense domain's own team group; expert waves are duplicated at most
-            shapes = [m.full_shape for m in self._muon]
-            model = None if self._pipeline.lanes.cuda else CPU_GLOO
-            self._pipeline.surplus_model = model
-            kinds = every_rank_kinds(self._waves, shapes, [self.domain.size, 1], cfg.surplus, model)
-            if cfg.surplus != "team":
-                kinds |= every_rank_kinds(self._waves, shapes, [1, self.expert_domain.size], "duplicate", model)
-            self._pipeline.gathered |= set(kinds)
-            # a transposed or split matrix is NS'd whole (duplicated) instead of by a team
-            self._pipeline.teamed |= {w.index for w in self._waves if kinds.get(w.index) == "team" and not any(
-                self._muon[i].transposed or self._muon[i].parts is not None for i in w.params)}
-            if cfg.surplus in ("duplicate", "auto") and cfg.fused_a2a:  # waves that give a matrix some of the ranks
-                self._pipeline.dup_homes = duplicate_homes(self._waves, shapes, [self.domain.size,
-                                                           self.expert_domain.size], model, skip=set(kinds))
+        dp = self._pipeline.dp
+        self._plans = plan_kinds(
+            self._waves, [m.full_shape for m in self._muon], [self.domain.size, self.expert_domain.size],
+            mode=cfg.mode, surplus=cfg.surplus, fused=cfg.fused_a2a, dp_size=dp.size if dp is not None else 1,
+            no_team={m.index for m in self._muon if m.transposed or m.parts is not None},  # NS'd whole instead
+            cost_model=None if self._pipeline.lanes.cuda else CPU_GLOO)
+        self._pipeline.set_plans(self._plans)
         self._wave_of = {i: w.index for w in self._waves for i in w.params}
         self._dispatcher = WaveDispatcher(self._waves, self._launch)
 
@@ -769,6 +762,11 @@ class OverlapMuon(torch.optim.Optimizer):
     def waves(self) -> list[Wave]:
         """The current wave plan (param indices into :attr:`muon_param_names`)."""
         return list(self._waves)
+
+    @property
+    def wave_plans(self) -> list[Any]:
+        """The frozen plan of every wave (``overlap_muon.scheduler.kinds.WavePlan``: params, homes, exchange kind)."""
+        return list(self._plans)
 
     @property
     def muon_param_names(self) -> list[str]:

@@ -5,7 +5,7 @@
 
 1. Backward accumulates ``w.grad``; the grad-ready hook (``hooks.GradReadyTracker``) tells the optimizer, whose
    :class:`scheduler.WaveDispatcher` calls :meth:`WavePipeline.launch` for ``W``'s wave ``k`` once every matrix of
-   the wave is ready (strictly in wave order on every rank: DESIGN.md invariant 2).
+   the wave is ready (strictly in wave order on every rank: docs/design.md, invariant 2).
 2. ``launch`` builds a :class:`WaveState` (the gradients it reads, their version counters and the
    hyper-parameters it uses) and queues three lane tasks (``overlap_muon.lanes``):
    ``to_home`` (agree on gradient presence; new momentum out of place, Nesterov, bf16 cast; ``all_to_all`` to
@@ -26,7 +26,7 @@
    for the apply task; CUDA: the current stream (and FSDP2's all-gather streams) wait on its event. Then the
    wave's state is released (:meth:`WavePipeline.reap`).
 
-[Note: release on time] (DESIGN.md invariant 9) A :class:`WaveState` names every tensor the wave holds. On CPU
+[Note: release on time] (docs/design.md, invariant 9) A :class:`WaveState` names every tensor the wave holds. On CPU
 each task drops what the next one no longer needs (the full matrices after NS, the NS results and packed
 momenta after the scatter, the gradients and update blocks after the apply), and the state leaves
 the pipeline at the first wait or reap after its apply. On CUDA a tensor read on another stream than the one
@@ -44,9 +44,7 @@ is enqueued from the launching thread, it waits for the peers' hosts only.
 
 from __future__ import annotations
 
-import math
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,48 +53,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .scheduler.surplus import SurplusCostModel, team_splits_poly
+from .scheduler.kinds import WavePlan
 from .scheduler.waves import Wave
 
 from .config import OverlapMuonConfig
 from .comm import DPSlots
 from .domain import Domain, MuonParam, local_tensor
 from .lanes import LaneHandle, Lanes
-from .layer_sharded_a2a import all_gather_full, from_homes, from_team, local_shard, to_homes, to_team
+from .exchanges import DPShared, Exchange, ExchangeContext, Gathered, Leg, Local, Routed, Team
 from .muon_math import apply_update, momentum_update, momentum_update_, ns_input
 from .ns import zeropower
 from .profiling import prof_range, wave_range_name
-from .split import split_ns
 from .team_ns import team_norms, team_zeropower_blocks
 
-__all__ = ["WavePipeline", "WaveState", "Hyper", "TestingSeam"]
-
-
-@dataclass
-class TestingSeam:
-    """Private seam for tests: never part of the public constructor.
-
-    Attributes:
-        ns_delay_s: seconds slept at the start of each ``compute`` task (makes overlap observable on CPU).
-        timeline: when a list, ``(event, wave, time.perf_counter())`` records of launches, NS starts and waits.
-        ns_wrap: when set, ``ns_wrap(ns, mats, kw)`` replaces each batched NS call ``ns(mats, kw)`` (count calls,
-            inject a failure).
-        on_state: when set, called with each :class:`WaveState` at launch.
-        before_apply: when set, called at the start of each apply task, on its lane (CUDA: inside its stream, e.g.
-            ``torch.cuda._sleep`` to make a missing stream wait visible).
-    """
-
-    __test__ = False  # not a pytest class
-
-    ns_delay_s: float = 0.0
-    timeline: list[tuple[str, int, float]] | None = None
-    ns_wrap: Callable[..., list[Tensor]] | None = None
-    on_state: Callable[["WaveState"], None] | None = None
-    before_apply: Callable[["WaveState"], None] | None = None
-
-    def record(self, event: str, wave: int) -> None:
-        if self.timeline is not None:
-            self.timeline.append((event, wave, time.perf_counter()))
+__all__ = ["WavePipeline", "WaveState", "Hyper"]
 
 
 @dataclass(frozen=True)
@@ -134,19 +104,11 @@ class WaveState:
     apply, which recomputes the new momentum in place; released after it)."""
     versions: list[tuple[int, int]]
     """Version counters of each gradient and of its local shard at launch; ``commit`` compares them."""
-    packed: list[Tensor] | None = None
-    """Shards, bf16: the NS inputs sent to the homes (``to_home``; released after ``from_home``)."""
-    fulls: list[Tensor] | None = None
-    """(P, Q) bf16: matrices assembled on this rank's homes, then the NS inputs of the wave's replicated params
-    (NS'd locally, [Note: replicated params] in ``domain.py``) (``to_home``; released after NS)."""
-    mine: list[int] | None = None
-    """Of the wave's exchanged (not replicated) params, in ``items`` order, the positions of those homed on this rank
-    (``to_home``); ``fulls[:len(mine)]`` are theirs. With duplicate homes, positions in :attr:`copies`."""
-    copies: list[tuple[int, int]] | None = None
-    """With duplicate homes (``WavePipeline.dup_homes``): the list the exchanges route, ``(position in the
-    exchanged params, home)`` per copy of a matrix, one copy per home (``to_home``)."""
-    outs: list[Tensor] | None = None
-    """(P, Q) bf16: NS results on this rank's homes (``compute``; released after ``from_home``)."""
+    packed: list[Tensor | None] | None = None
+    """Shards, bf16: the NS inputs (``pack``; released after ``from_home``)."""
+    legs: list[Leg] | None = None
+    """One per exchange the wave uses (``overlap_muon.exchanges``): the exchanged params, then the replicated ones;
+    each holds its matrices, results and route (``pack``; released after ``from_home``)."""
     updates: list[Tensor] | None = None
     """Shards, bf16: this rank's block of each NS result (``from_home``; released after the apply)."""
     momenta: list[Tensor] | None = None
@@ -176,7 +138,7 @@ class WaveState:
 
     def release(self) -> None:
         """Drop every tensor the wave holds."""
-        self.grads = self.packed = self.fulls = self.outs = self.updates = self.momenta = None
+        self.grads = self.packed = self.legs = self.updates = self.momenta = None
 
 
 class WavePipeline:
@@ -191,13 +153,12 @@ class WavePipeline:
         device: where the Muon params live.
         stats: the optimizer's counters (``ns_matrices``, ``ns_calls``, ``waves_launched``, ``reruns``).
         ctrl_group: a gloo group over every rank of the job for ``commit``'s agreement (``None``: one process).
-        testing: the private :class:`TestingSeam`.
         dp_slots: the data-parallel replicas of the dense domain share its NS work ([Note: DP replicas as NS
             slots]); ``None``: each replica runs all of it.
         team_group: a group over this rank's dense domain for team NS (``surplus="team"``), used by the compute
             lane only.
         expert_doms: ``(dom_to, dom_from, ctrl_group)`` of this rank's expert domain, the routes of the waves with
-            ``wave.domain == 1`` ([Note: two domains] in ``domain.py``); ``ctrl_group`` is a gloo group over that
+            ``wave.domain == 1`` ([Note: two domains] in ``discovery.py``); ``ctrl_group`` is a gloo group over that
             domain for ``commit``'s agreement on expert gradients. ``None``: expert matrices (if any) are this
             rank's own, NS'd where they live.
     """
@@ -212,7 +173,6 @@ class WavePipeline:
         device: torch.device,
         stats: dict[str, int],
         ctrl_group: dist.ProcessGroup | None,
-        testing: TestingSeam,
         expert_doms: tuple[Domain, Domain, dist.ProcessGroup | None] | None = None,
         dp_slots: DPSlots | None = None,
         team_group: dist.ProcessGroup | None = None,
@@ -228,26 +188,17 @@ class WavePipeline:
         self.config = config
         self.stats = stats
         self.ctrl_group = ctrl_group
-        self.testing = testing
         # A synchronous step of one wave has nothing to pipeline: its lanes run inline (no thread hand-offs).
         one_wave = not config.overlap and config.wave_slots is None
-        self.lanes = Lanes(device, side_streams=config.side_streams and not one_wave, delay_s=testing.ns_delay_s)
+        self.lanes = Lanes(device, side_streams=config.side_streams and not one_wave, )
         # On CPU (and inline) a task may drop what the next no longer needs; on CUDA only whole states are
         # released, after their last event ([Note: release on time]).
         self._eager_release = not self.lanes.cuda
         self._route_plans: dict[Any, dict] = {}
-        self.gathered: set[int] = set()
-        """Waves run as in ``duplicated`` mode (every rank gathers and NS's every matrix, nothing is scattered):
-        all of them in that mode, else those the surplus plan gives every rank (``surplus="duplicate"|"team"``)."""
-        self.dup_homes: dict[int, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-        """``surplus="duplicate"``, fused exchanges: per wave, the matrices with several homes
-        (``scheduler.surplus.duplicate_homes``): each home receives the whole matrix and runs its NS, and every rank
-        takes its block from its serving home (a home from itself), so only the other ranks receive a scatter."""
-        self.surplus_model: SurplusCostModel | None = None
-        """The machine figures the surplus plan was made with (``None``: ``SurplusCostModel()``'s defaults)."""
-        self.teamed: set[int] = set()
-        """Of :attr:`gathered`, the waves whose NS the domain splits by columns instead (``surplus="team"|"auto"``,
-        on ``team_group``: ``overlap_muon.team_ns``, not bitwise): re-laid by ``to_team``/``from_team``, no gather."""
+        self.exchanges: dict[int, tuple[Exchange, Exchange]] = {}
+        """Per wave index: its exchange and the ``local`` one of its replicated params, built from the frozen wave
+        plans (:meth:`set_plans`)."""
+        self._ctx = ExchangeContext(config.fused_a2a, self._route_plans, self._run)
         self.keep_momentum = False
         """``async_step``: a wave keeps its new momentum from ``to_home`` to its apply, which then copies it instead
         of recomputing it from the gradient (the apply runs after ``step()`` returns)."""
@@ -278,9 +229,6 @@ class WavePipeline:
         if committed:
             self._create_momentum(items)
         self.stats["waves_launched"] += 1
-        self.testing.record("launch", wave.index)
-        if self.testing.on_state is not None:
-            self.testing.on_state(st)
         check = (self.config.check_grad_presence and not self._agreed
                  and self._doms[wave.domain][0].ctrl_group is not None)
         if not items and not check:
@@ -302,85 +250,46 @@ class WavePipeline:
             self._pending[wave.index] = st
         return st
 
-    def _exchanged(self, st: WaveState) -> tuple[list[int], list[int]]:
-        """Positions in ``st.items`` of the wave's exchanged (not replicated) params: those routed in this rank's
-        domain, and (DP slots) those another replica computes, which arrive in ``from_home``'s DP exchange."""
-        mps = [self.muon[i] for i in st.items]
-        ex = [j for j, m in enumerate(mps) if not m.replicated]
-        if self.dp is None or st.wave.domain != 0:
-            return ex, []
-        D, d = self.dp.size, self.dp.replica
-        mine = [j for j in ex if st.wave.homes[st.items[j]] % D == d]
-        return mine, [j for j in ex if st.wave.homes[st.items[j]] % D != d]
-
-    def _home(self, wave: Wave, i: int) -> int:
-        """Param ``i``'s home as a rank of this rank's domain (DP slots: homes number ``D * S``, interleaved)."""
-        h = wave.homes[i]
-        return h // self.dp.size if self.dp is not None and wave.domain == 0 else h
-
     def _pack_task(self, st: WaveState, check: bool) -> None:
-        """The wave's only reads of ``.grad``: new momentum, Nesterov, bf16 cast (``st.packed``)."""
+        """The wave's only reads of ``.grad``: new momentum, Nesterov, bf16 cast; then its legs (one per exchange)."""
         k, dom = st.wave.index, self._doms[st.wave.domain][0]
         if check:
-            self._exchange(st, "a2a_to_home", dom, lambda: self._agree_on_gradients(st))
+            self._run(k, st.items, "a2a_to_home", dom, lambda: self._agree_on_gradients(st), "all_to_all")
         if not st.items:
             st.empty = True
             return
         mps = [self.muon[i] for i in st.items]
-        h = st.hyper
-        skip = set(self._exchanged(st)[1])  # DP slots: another replica computes these, no NS input is needed here
+        main, local = self.exchanges[k]
         with prof_range(wave_range_name(k, "pack"), nvtx=self.config.nvtx):
-            grads = [m.local(g) for m, g in zip(mps, st.grads)]
-            if st.momentum_done:  # a synchronous step: commit in place (torch's own op), no copy
-                bufs = [m.local(self.state[m.param]["momentum_buffer"]) for m in mps]
-                for b, g in zip(bufs, grads):
-                    momentum_update_(b, g, h.momentum)
-                st.packed = [None if j in skip else ns_input(g, b, h.momentum, h.nesterov)
-                             for j, (b, g) in enumerate(zip(bufs, grads))]
-                return
-            bufs = [self._momentum(m, g) for m, g in zip(mps, grads)]
+            st.packed = self._pack(st, mps, [not m.replicated and not main.needs_input(m) for m in mps])
+        ex = [j for j, m in enumerate(mps) if not m.replicated]
+        rep = [j for j, m in enumerate(mps) if m.replicated]  # [Note: replicated params] in domain.py
+        st.legs = [Leg(e, pos, [mps[j] for j in pos], [st.packed[j] for j in pos])
+                   for e, pos in ((main, ex), (local, rep)) if pos]
+
+    def _pack(self, st: WaveState, mps: list[MuonParam], skip: list[bool]) -> list[Tensor | None]:
+        """The NS input of each item (bf16 shards; ``None`` where ``skip``: another replica computes it)."""
+        h = st.hyper
+        grads = [m.local(g) for m, g in zip(mps, st.grads)]
+        if st.momentum_done:  # a synchronous step: commit in place (torch's own op), no copy
+            news = [m.local(self.state[m.param]["momentum_buffer"]) for m in mps]
+            for b, g in zip(news, grads):
+                momentum_update_(b, g, h.momentum)
+        else:
             # The new momentum lives only as long as the NS input needs it; the apply recomputes it in place
             # (the same op on the same values: bitwise the same), so a speculative wave holds no momentum copy,
             # unless the apply runs after step() returns (async_step): then it keeps it.
-            news = [momentum_update(b, g, h.momentum) for b, g in zip(bufs, grads)]
-            st.packed = [None if j in skip else ns_input(g, n, h.momentum, h.nesterov)
-                         for j, (n, g) in enumerate(zip(news, grads))]
+            news = [momentum_update(self._momentum(m, g), g, h.momentum) for m, g in zip(mps, grads)]
             st.momenta = news if self.keep_momentum else None
+        return [None if s else ns_input(g, n, h.momentum, h.nesterov) for s, n, g in zip(skip, news, grads)]
 
     def _to_home_task(self, st: WaveState) -> None:
+        """To the ranks that orthogonalize each matrix (every leg: one exchange each)."""
         if st.empty:
             return
-        k, dom = st.wave.index, self._doms[st.wave.domain][0]
-        mps = [self.muon[i] for i in st.items]
-        ex = self._exchanged(st)[0]
-        # Replicated params ([Note: replicated params] in domain.py) skip the exchanges: their NS input is the full
-        # matrix already. The exchanged ones come first in ``fulls``, the replicated ones after them.
-        packed = [st.packed[j] for j in ex]
-        pds, shapes = [mps[j].partition_dim for j in ex], [mps[j].full_shape for j in ex]
-        fulls: list[Tensor] = []
-        st.mine = []
-        with prof_range(wave_range_name(k, "a2a_to_home"), nvtx=self.config.nvtx):
-            if not ex:
-                pass  # every rank has the same items (gradient presence is agreed), so every rank skips
-            elif k in self.teamed:  # [Note: team NS by columns]: each rank gets its block of the long dim
-                plan = self._route_plans.setdefault(("to_team", k, tuple(st.items)), {})
-                fulls = self._exchange(st, "a2a_to_home", dom, lambda: to_team(packed, pds, shapes, dom, plan))
-                st.mine = list(range(len(ex)))
-            elif self._gathers(st.wave):
-                fulls = self._exchange(st, "a2a_to_home", dom, lambda: all_gather_full(packed, pds, shapes, dom))
-                st.mine = list(range(len(ex)))
-            else:
-                dup = self.dup_homes.get(k, {})
-                st.copies = [(x, h) for x, j in enumerate(ex)
-                             for h in (dup[st.items[j]][0] if st.items[j] in dup else (self._home(st.wave, st.items[j]),))]
-                homes = [h for _, h in st.copies]
-                cp, cpds, cshapes = ([v[x] for x, _ in st.copies] for v in (packed, pds, shapes))
-                plan = self._route_plans.setdefault(("to", k, tuple(st.items)), {})
-                fulls, st.mine = self._exchange(
-                    st, "a2a_to_home", dom,
-                    lambda: to_homes(cp, homes, cpds, cshapes, dom, fused=self.config.fused_a2a, plan=plan),
-                )
-        st.fulls = list(fulls) + [st.packed[j] for j, m in enumerate(mps) if m.replicated]
+        with prof_range(wave_range_name(st.wave.index, "a2a_to_home"), nvtx=self.config.nvtx):
+            for leg in st.legs:
+                leg.exchange.to_compute(leg)
 
     def _momentum(self, m: MuonParam, grad: Tensor) -> Tensor:
         """``m``'s committed momentum (local shard), or zeros before its first step ([Note: lazy state] in
@@ -390,112 +299,30 @@ class WavePipeline:
         return m.local(buf) if buf is not None else torch.zeros_like(grad, memory_format=torch.preserve_format)
 
     def _ns_task(self, st: WaveState) -> None:
+        """Newton-Schulz on what this rank orthogonalizes (each leg with its kind's NS)."""
         if st.empty:
             return
-        self.testing.record("ns_start", st.wave.index)
         h = st.hyper
         kw = dict(ns_coefficients=h.ns_coefficients, ns_steps=h.ns_steps, eps=h.eps, syrk=self.config.syrk)
         with prof_range(wave_range_name(st.wave.index, "ns"), nvtx=self.config.nvtx):
-            wrap = self.testing.ns_wrap
-            # fulls: the exchanged matrices homed here (positions ex[st.mine]), then the replicated ones
-            mps = [self.muon[i] for i in st.items]
-            ex = self._exchanged(st)[0]
-            pos = [st.copies[v][0] for v in st.mine] if st.copies is not None else st.mine
-            homed = [mps[ex[x]] for x in pos] + [m for m in mps if m.replicated]
-            # [Note: transposed weights] a weight stored (in, out) (HF Conv1D) is the (out, in) linear W^T: NS runs
-            # on a contiguous copy of W^T, exactly the matrix torch.optim.Muon sees for the equivalent nn.Linear, and
-            # the result is transposed back to the stored layout. Bitwise by construction (no op sees other values or
-            # strides than the reference's); the lr ratio uses MuonParam.ns_shape, the (out, in) shape.
-            if st.wave.index in self.teamed:  # team blocks; the optimizer teams no transposed or split matrix
-                n_ex = len(st.fulls) - sum(m.replicated for m in homed)
-                blocks = [(st.fulls[:n_ex], homed[:n_ex])]
-                team = wrap(self._team_ns, blocks, kw) if wrap else self._team_ns(blocks, kw)
-                rest = st.fulls[n_ex:]
-                st.outs = team + (wrap(self._ns_many, rest, kw) if wrap else self._ns_many(rest, kw))
-            else:
-                mats = [f.T.contiguous() if m.transposed else f for f, m in zip(st.fulls, homed)]
-                ns = self._ns_many
-                outs = split_ns(mats, [m.parts for m in homed], lambda ms: wrap(ns, ms, kw) if wrap else ns(ms, kw))
-                st.outs = [o.T.contiguous() if m.transposed else o for o, m in zip(outs, homed)]
-        if self._eager_release:
-            st.fulls = None
+            for leg in st.legs:
+                leg.outs = leg.exchange.orthogonalize(leg, getattr(self, _NS[leg.exchange.ns_kind]), kw)
+                if self._eager_release:
+                    leg.mats = None
 
     def _from_home_task(self, st: WaveState) -> None:
+        """Back to storage: this rank's block of every result, in ``items`` order."""
         if st.empty:
             return
-        mps = [self.muon[i] for i in st.items]
-        ex, others = self._exchanged(st)
-        rep = [j for j, m in enumerate(mps) if m.replicated]
-        outs, rep_outs = st.outs[:len(st.mine)], st.outs[len(st.mine):]  # see _to_home_task's order
-        packed = [st.packed[j] for j in ex]
-        pds, shapes = [mps[j].partition_dim for j in ex], [mps[j].full_shape for j in ex]
-        dom = self._doms[st.wave.domain][1]
-        updates: list[Tensor] = []
+        by_position: dict[int, Tensor] = {}
         with prof_range(wave_range_name(st.wave.index, "a2a_from_home"), nvtx=self.config.nvtx):
-            if not ex:
-                pass
-            elif st.wave.index in self.teamed:
-                plan = self._route_plans.setdefault(("from_team", st.wave.index, tuple(st.items)), {})
-                updates = self._exchange(st, "a2a_from_home", dom, lambda: from_team(outs, pds, shapes, dom, plan))
-            elif self._gathers(st.wave):
-                updates = [local_shard(o, pd, dom) for o, pd in zip(outs, pds)]
-            else:
-                dup = self.dup_homes.get(st.wave.index, {})
-                copies = st.copies if st.copies is not None else [(x, self._home(st.wave, st.items[j]))
-                                                                  for x, j in enumerate(ex)]
-                homes = [h for _, h in copies]
-                cp, cpds, cshapes = ([v[x] for x, _ in copies] for v in (packed, pds, shapes))
-                # a copy serves the ranks whose serving home it is; a single-homed matrix serves everyone
-                serve = [frozenset(r for r, s in enumerate(dup[st.items[ex[x]]][1]) if s == h)
-                         if st.items[ex[x]] in dup else frozenset(range(dom.size)) for x, h in copies] if dup else None
-                plan = self._route_plans.setdefault(("from", st.wave.index, tuple(st.items)), {})
-                got = self._exchange(
-                    st, "a2a_from_home", dom,
-                    lambda: from_homes(outs, st.mine, cp, homes, cpds, cshapes, dom,
-                                       fused=self.config.fused_a2a, plan=plan, serve=serve),
-                )
-                me = dom.flat_rank
-                updates = [None] * len(ex)
-                for v, (x, _) in enumerate(copies):
-                    if serve is None or me in serve[v]:
-                        updates[x] = got[v]
-            shared: list[Tensor] = []
-            if ex or others:  # DP slots: every rank of the wave's replicas takes part (presence is agreed job-wide)
-                shared = self._exchange(st, "dp_share", dom, lambda: self._dp_share(st, ex, updates, others)) \
-                    if self.dp is not None and st.wave.domain == 0 else []
-        by_pos = dict(zip(ex, updates)) | dict(zip(others, shared)) | dict(zip(rep, rep_outs))
-        st.updates = [by_pos[j] for j in range(len(mps))]
+            for leg in st.legs:
+                by_position.update(zip(leg.positions, leg.exchange.back_to_storage(leg)))
+        st.updates = [by_position[j] for j in range(len(st.items))]
         if self._eager_release:
-            st.outs = st.packed = None
-
-    def _dp_share(self, st: WaveState, ex: list[int], updates: list[Tensor], others: list[int]) -> list[Tensor]:
-        """[Note: DP replicas as NS slots] This rank's blocks of the results its replica computed (``ex``, in
-        ``updates``) go to the same-position rank of every other replica, which sends back its own: one
-        ``all_to_all`` over the DP group of flat bf16 buffers. Returns the blocks of ``others``, in order."""
-        dp = self.dp
-        owner = {j: st.wave.homes[st.items[j]] % dp.size for j in ex + others}
-        shapes = {j: tuple(self.muon[st.items[j]].local(self.muon[st.items[j]].param).shape) for j in owner}
-        numel = {j: math.prod(shapes[j]) for j in owner}
-        n = [sum(numel[j] for j in sorted(owner) if owner[j] == r) for r in range(dp.size)]
-        device = self.muon[st.items[(ex + others)[0]]].local(self.muon[st.items[(ex + others)[0]]].param).device
-        dtype = updates[0].dtype if updates else torch.bfloat16  # NS results are bf16 (overlap_muon.ns)
-        send = torch.cat([u.reshape(-1) for u in updates]) if updates else torch.empty(0, dtype=dtype, device=device)
-        recv = torch.empty(sum(n), dtype=dtype, device=device)
-        dist.all_to_all_single(recv, send.repeat(dp.size), output_split_sizes=n, input_split_sizes=[send.numel()] * dp.size,
-                               group=dp.group)
-        parts = dict(zip(range(dp.size), recv.split(n)))
-        got: dict[int, Tensor] = {}
-        for r in range(dp.size):
-            if r == dp.replica:
-                continue
-            mine = [j for j in sorted(owner) if owner[j] == r]
-            for j, flat in zip(mine, parts[r].split([numel[j] for j in mine])):
-                got[j] = flat.view(shapes[j])
-        return [got[j] for j in others]
+            st.packed = st.legs = None
 
     def _apply_task(self, st: WaveState, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None) -> None:
-        if self.testing.before_apply is not None:
-            self.testing.before_apply(st)
         if not st.empty:
             with prof_range(wave_range_name(st.wave.index, "apply"), nvtx=self.config.nvtx):
                 for j, i in enumerate(st.items):
@@ -515,21 +342,17 @@ class WavePipeline:
         if self._eager_release:
             st.release()
 
-    def _gathers(self, wave: Wave) -> bool:
-        return self.config.mode == "duplicated" or wave.index in self.gathered
-
-    def _team_ns(self, work: list[tuple[list[Tensor], list[MuonParam]]], kw: dict[str, Any]) -> list[Tensor]:
-        """[Note: team NS by columns] The wave's team blocks (``(P, Q)`` layout, :func:`team_block`) of its
-        exchanged matrices: one norm all-reduce, then NS of all of them in lockstep, one Gram all-reduce per step.
-        Collective over ``team_group``, in the same order on every rank. ``work`` is ``[(blocks, params)]`` (one
-        entry, so that a testing wrapper sees one call)."""
-        ((blocks, mps),) = work
+    def _team_ns(self, work: list[tuple[list[Tensor], list[MuonParam], list[bool]]], kw: dict[str, Any]
+                 ) -> list[Tensor]:
+        """[Note: team NS by columns] The wave's team blocks (``(P, Q)`` layout, ``team_block``) of its exchanged
+        matrices: one norm all-reduce, then NS of all of them in lockstep, one Gram all-reduce per step. Collective
+        over ``team_group``, in the same order on every rank. ``work`` is ``[(blocks, params, split_poly)]`` (one
+        entry, so that a wrapper sees one call; ``split_poly`` per matrix, from the wave's plan)."""
+        ((blocks, mps, split),) = work
         self.stats["ns_matrices"] += len(blocks)
         self.stats["ns_calls"] += len(blocks)
         tall = [m.full_shape[0] > m.full_shape[1] for m in mps]
         xs = [b.mT if t else b for b, t in zip(blocks, tall)]  # oriented: columns of X (rows of a tall update)
-        k = dist.get_world_size(self.team_group) if self.team_group is not None else 1
-        split = [team_splits_poly(m.full_shape, k, self.surplus_model) for m in mps]
         outs = team_zeropower_blocks(xs, team_norms(xs, self.team_group), self.team_group, split_poly=split, **kw)
         return [o.mT.contiguous() if t else o for o, t in zip(outs, tall)]
 
@@ -577,7 +400,7 @@ class WavePipeline:
                 "have one); every rank of a domain must compute the same params' gradients"
             )
 
-    def _exchange(self, st: WaveState, phase: str, dom: Domain, fn: Callable[[], Any]) -> Any:
+    def _run(self, wave: int, params: list[int], phase: str, dom: Domain, fn: Callable[[], Any], op: str) -> Any:
         """Run a collective; name the wave, the exchange, the group and the params in any error it raises."""
         try:
             return fn()
@@ -585,21 +408,16 @@ class WavePipeline:
             raise  # bad input, already named (raised on every rank before the collective)
         except Exception as e:
             fused = self.config.fused_a2a
-            gathers = self._gathers(st.wave)
-            op = "all_gather" if gathers and st.wave.index not in self.teamed else "all_to_all"
+            if fused or op == "all_gather":
+                g, what = dom.flat_group, "flat R x T group"
+            else:
+                g, what = dom.remat_group or dom.tp_group, "remat/TP groups"
+            ranks = dist.get_process_group_ranks(g) if g is not None else [dist.get_rank()]
             raise RuntimeError(
-                f"OverlapMuon wave {st.wave.index} {phase} failed on rank {dist.get_rank()} "
-                f"({'fused' if fused else 'two-stage'} {op} over the runtime's {self._group_desc(dom, gathers)}; "
-                f"params {[self.muon[i].name for i in st.items]}): {e}"
+                f"OverlapMuon wave {wave} {phase} failed on rank {dist.get_rank()} ({'fused' if fused else 'two-stage'} "
+                f"{op} over the runtime's {what} {dom.remat_size}x{dom.tp_size}, global ranks {ranks}; params "
+                f"{[self.muon[i].name for i in params]}): {e}"
             ) from e
-
-    def _group_desc(self, dom: Domain, gathers: bool) -> str:
-        if self.config.fused_a2a or gathers:
-            g, what = dom.flat_group, "flat R x T group"
-        else:
-            g, what = dom.remat_group or dom.tp_group, "remat/TP groups"
-        ranks = dist.get_process_group_ranks(g) if g is not None else [dist.get_rank()]
-        return f"{what} {dom.remat_size}x{dom.tp_size}, global ranks {ranks}"
 
     # --------------------------------------------------------------------------------------------------------
     # commit: only step() changes params and state
@@ -787,10 +605,8 @@ class WavePipeline:
                 st = self._applied.get(k)
             if st is None:
                 continue
-            self.testing.record("wait_begin", k)
             with prof_range(f"OverlapMuon::wait::wave{k}", nvtx=self.config.nvtx):
                 _wait(st.h_apply, streams)
-            self.testing.record("wait_end", k)
             if st.done():
                 with self._lock:
                     if self._applied.get(k) is st:
@@ -863,16 +679,32 @@ class WavePipeline:
         with self._lock:
             return bool(self._pending)
 
-    def reset_plans(self) -> None:
-        """The wave plan changed: route plans are per (wave, params), drop them."""
+    def set_plans(self, plans: Sequence[WavePlan]) -> None:
+        """The wave plan changed (construction, or the observed readiness order): build each wave's exchange from
+        its frozen plan; route plans are per (wave, params), so drop them."""
         self._route_plans.clear()
-        self.gathered.clear()
-        self.dup_homes = {}
-        self.teamed.clear()
+        self.exchanges = {p.wave.index: (self._exchange_of(p), Local(self._ctx, p.wave.index, *self._doms[p.wave.domain]))
+                          for p in plans}
+
+    def _exchange_of(self, p: WavePlan) -> Exchange:
+        w, ctx, (dom_to, dom_from) = p.wave, self._ctx, self._doms[p.wave.domain]
+        if p.kind == "gathered":
+            return Gathered(ctx, w.index, dom_to, dom_from)
+        if p.kind == "team":
+            return Team(ctx, w.index, dom_to, dom_from, dict(p.split_poly))
+        if p.kind == "dp_shared":
+            D = p.dp_size
+            inner = Routed(ctx, w.index, dom_to, dom_from, {i: h // D for i, h in w.homes.items()}, {})
+            return DPShared(inner, self.dp, {i: h % D for i, h in w.homes.items()})
+        return Routed(ctx, w.index, dom_to, dom_from, dict(w.homes), {i: (hs, sv) for i, hs, sv in p.dup})
 
     def close(self) -> None:
         """Stop the lane threads once their queued tasks are done (does not wait for them)."""
         self.lanes.shutdown(wait=False)
+
+
+#: The runtime's NS function of each exchange's ``ns_kind`` (looked up on the instance at call time).
+_NS = {"plain": "_ns_many", "team": "_team_ns"}
 
 
 def _max_everywhere(flags: Tensor, group: dist.ProcessGroup) -> None:

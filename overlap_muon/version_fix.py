@@ -18,8 +18,9 @@ first argument's list: its DTensors for the foreach ops, every tensor for the un
 incremented (``torch.autograd.graph.increment_version``), as the non-foreach ``Tensor.mul_`` already does. The op,
 its values and its arguments are unchanged; no communication, no host-device sync. Each wrapper is registered as the
 same TorchScript builtin as the function it wraps (``torch.jit.script`` keeps compiling calls to it) and is found
-under its own name (``pickle`` works). :func:`install` runs for ``OverlapMuon(overlap=True)``, once per process,
-and wraps only what a probe finds broken (the DTensor part only with DTensor Muon params).
+under its own name (``pickle`` works). :func:`acquire` runs for each ``OverlapMuon(overlap=True)`` (logged on
+rank 0 the first time it wraps anything) and :func:`release` when it closes: the last one puts the original
+functions back. It wraps only what a probe finds broken (the DTensor part only with DTensor Muon params).
 
 [Note: in-place collectives] The eager c10d collectives of ``torch.distributed`` write their output through the
 C++ process group, below autograd: ``dist.all_reduce(p.grad)`` after backward (a data-parallel loop without DDP),
@@ -41,14 +42,17 @@ and to overlap mode alike; edit ``p.grad`` itself).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions", "install",
-           "installed"]
+__all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions",
+           "install", "installed", "acquire", "release", "uninstall"]
+
+logger = logging.getLogger("overlap_muon")
 
 #: The in-place foreach functions of the ``torch`` namespace (those present in this torch).
 FOREACH_INPLACE: tuple[str, ...] = tuple(n for n in dir(torch) if n.startswith("_foreach_") and n.endswith("_"))
@@ -62,7 +66,9 @@ C10D_INPLACE: dict[str, tuple[int, str]] = {
     "reduce_scatter_tensor": (0, "output"), "reduce_scatter_single": (0, "output"),
 }
 
-_lock = threading.Lock()
+_lock = threading.RLock()
+_users = 0  # live OverlapMuon(overlap=True) instances that acquired the fixes
+_originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (module, name, original) of every wrapped function
 _done: set[str] = set()  # "dtensor_foreach", "amp_unscale", "c10d": the fixes in place in this process
 
 
@@ -135,7 +141,45 @@ def _wrap(names: tuple[str, ...], which: Callable[[Any], bool]) -> None:
     for name in names:
         fn = getattr(torch, name, None)
         if fn is not None and not hasattr(fn, "__overlap_muon_version_fix__"):
+            _originals.append((torch, name, fn))
             setattr(torch, name, _bumping(name, fn, which))
+
+
+def acquire(mesh: Any = None) -> set[str]:
+    """:func:`install` for one more user (an ``OverlapMuon(overlap=True)``); :func:`release` undoes it once the
+    last user is gone. Logs on rank 0 what it wrapped and why, the first time it wraps anything."""
+    global _users
+    with _lock:
+        _users += 1
+        before = set(_done)
+        done = install(mesh)
+    new = done - before
+    if new and (not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0):
+        names = sorted({f"{m.__name__}.{n}" for m, n, _ in _originals})
+        logger.info("OverlapMuon: wrapped %d torch functions (%s) so that in-place gradient edits move version "
+                    "counters, which overlap mode's stale-wave check reads (%s: see overlap_muon/version_fix.py); "
+                    "same ops, same values; removed when the last overlap-mode OverlapMuon closes. Wrapped: %s",
+                    len(names), ", ".join(sorted(new)), "torch 2.13 moves none for these", ", ".join(names[:12])
+                    + (" ..." if len(names) > 12 else ""))
+    return done
+
+
+def release() -> None:
+    """One user fewer; the last one restores every wrapped function (:func:`uninstall`)."""
+    global _users
+    with _lock:
+        _users = max(0, _users - 1)
+        if _users == 0:
+            uninstall()
+
+
+def uninstall() -> None:
+    """Put every function :func:`install` wrapped back (the originals), as if it had never run."""
+    with _lock:
+        for module, name, fn in reversed(_originals):
+            setattr(module, name, fn)
+        _originals.clear()
+        _done.clear()
 
 
 def install(mesh: Any = None) -> set[str]:
@@ -154,6 +198,7 @@ def install(mesh: Any = None) -> set[str]:
             for name, (pos, key) in C10D_INPLACE.items():
                 fn = getattr(dist, name, None)
                 if fn is not None and not hasattr(fn, "__overlap_muon_version_fix__"):
+                    _originals.append((dist, name, fn))
                     setattr(dist, name, _bumping_collective(name, fn, pos, key))
             _done.add("c10d")
         if "amp_unscale" not in _done and not unscale_bumps_versions():

@@ -5,10 +5,11 @@ function of its inputs, so all ranks compute the same one without communicating.
 """
 
 from .cost import ns_bytes, ns_flops
+from .dispatch import ReadinessRecorder, WaveDispatcher
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
 from .plan_hash import PlanDifference, first_plan_difference, param_fingerprints, plan_hash
 from .surplus import SurplusCostModel, SurplusPlan, plan_surplus
-from .waves import ReadinessRecorder, Wave, WaveCostModel, WaveDispatcher, plan_by_domain, plan_waves, plan_waves_by_cost
+from .waves import Wave, WaveCostModel, plan_by_domain, plan_waves, plan_waves_by_cost
 
 __all__ = [
     "ns_flops",

@@ -59,7 +59,7 @@ def ns_bytes(shape: tuple[int, int], dtype_bytes: int = 2) -> int:
 
     Args:
         shape: the full logical ``(P, Q)`` shape.
-        dtype_bytes: bytes per element; 2 for the bf16 the update is cast to before routing (DESIGN.md §1).
+        dtype_bytes: bytes per element; 2 for the bf16 the update is cast to before routing (docs/design.md §1).
 
     Returns:
         ``P * Q * dtype_bytes`` bytes (one direction; the exchange back moves as many again).

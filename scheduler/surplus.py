@@ -1,8 +1,8 @@
 """Surplus slots: what the NS homes that a wave leaves without a matrix can do (pure planning).
 
 A wave of ``W`` matrices on a domain of ``S`` homes leaves ``S - W`` homes idle when ``W < S`` -- always the case
-for the tapered last waves, whose exchange + NS + exchange is the optimizer time that cannot hide (DESIGN.md
-"[Note: the critical path]"). :func:`plan_surplus` gives those ranks work under one of four policies:
+for the tapered last waves, whose exchange + NS + exchange is the optimizer time that cannot hide ([Note: the
+critical path] in docs/design.md). :func:`plan_surplus` gives those ranks work under one of four policies:
 
 ``idle``
     Today's plan: one home per matrix (the wave's LPT home), the surplus ranks do nothing.
@@ -20,24 +20,8 @@ for the tapered last waves, whose exchange + NS + exchange is the optimizer time
     Plans ``idle``, ``duplicate`` and ``team`` and keeps the one with the smallest estimated wave time (ties go to
     the simpler policy, in that order).
 
-[Note: surplus cost model] Per matrix of full shape ``(P, Q)``, ``m = min(P, Q)``, ``n = max(P, Q)``, wire bytes
-``M = P*Q*dtype_bytes``, even shards ``s = M / S`` (``S = num_ranks``):
-
-- NS: ``scheduler.cost.ns_flops(shape, ns_steps) / ns_flops_per_s``; a team of ``k``: ``ns_steps * (4*m*m*n / k
-  + 2*m**3) / (ns_flops_per_s * team_efficiency)`` plus the all-reduces: ``ns_steps`` of the Gram
-  (``m*m*dtype_bytes``), each member sending and receiving ``2 * (k-1)/k`` of it (a ring), plus ``ns_steps + 1``
-  latencies (the last for the norm's scalars); or, where it is faster (:func:`team_splits_poly`), ``b*A + c*A@A``
-  split by rows too (``2*m**3 / k``) at the price of one all-gather of ``B`` (``(k-1)/k`` of ``m*m``) per step.
-- To the homes: a home receives ``(S-1) * s`` (a team member ``(S-1) * s / k``, its column block of every shard).
-- Back: a single home sends ``(S-1) * s``; a team member ``(S-1) * s / k``; a duplicate home sends ``s`` to each
-  rank it serves (ranks on a node with a duplicate are served there, the rest round robin over the homes).
-- A transfer of ``b_intra`` bytes to or from peers on the rank's node and ``b_inter`` to others takes
-  ``latency_s + max(b_intra / intra_node_bytes_per_s, b_inter / inter_node_bytes_per_s)`` (the two links run
-  concurrently; the model of ``overlap_muon.apps.simulate`` [Note: what the model assumes], item 4). Ranks are numbered
-  as in the domain, ``ranks_per_node`` consecutive ranks per node.
-- A matrix's estimate is ``to + NS + back`` on its busiest member; a rank's load is the sum of the estimates of
-  the matrices it holds; the wave's time is the largest load. Exchanges are really one collective per wave, so
-  this per-matrix sum is an estimate for choosing, not a prediction (``overlap_muon.apps.simulate`` models the wave).
+[Note: surplus cost model] The estimates the planner weighs (per matrix ``to + NS + back``, per rank the sum of
+its matrices' estimates, the wave the largest rank load) are the cost model's, in ``scheduler/surplus_cost.py``.
 
 What the planner does: the idle plan first; then, while surplus ranks are left, the longest matrix on the most
 loaded rank (ties: lowest rank, then lowest param index) gets the fewest extra ranks ``j >= 1`` that shorten its
@@ -82,8 +66,18 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..layout import team_row_counts
-from .cost import _check_shape, ns_flops
+from . import surplus_cost as _surplus_cost
+from .cost import _check_shape
 from .homes import _check_num_ranks
+from .surplus_cost import (
+    CPU_GLOO,
+    SurplusCostModel,
+    _dup_served,
+    _estimate,
+    _Nodes,
+    matrix_estimate_s,
+    team_splits_poly,
+)
 
 __all__ = ["POLICIES", "CPU_GLOO", "on_every_rank", "duplicate_homes", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
            "team_row_counts", "serving_homes", "every_rank_kinds", "team_splits_poly"]
@@ -94,65 +88,8 @@ POLICIES: tuple[str, ...] = ("idle", "duplicate", "team", "auto")
 #: An estimate must improve by more than this (relative) to take more ranks: no churn on float noise.
 _REL_EPS = 1e-12
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SurplusCostModel:
-    """Machine figures of the surplus cost model; see [Note: surplus cost model]. Defaults: an H200-class node.
-
-    Raises:
-        ValueError: a rate, size or latency is out of range (the message names the field).
-    """
-
-    ns_flops_per_s: float = 700e12
-    """NS matmul rate of one rank, FLOP/s."""
-    ns_steps: int = 5
-    """Newton-Schulz iterations (``torch.optim.Muon`` default)."""
-    intra_node_bytes_per_s: float = 400e9
-    """Bandwidth to peers on the same node, per rank per direction, B/s (NVLink)."""
-    inter_node_bytes_per_s: float = 50e9
-    """Bandwidth to other nodes, per rank per direction, B/s (one 400 Gb/s NIC per GPU)."""
-    ranks_per_node: int = 8
-    """Consecutive domain ranks sharing a node."""
-    latency_s: float = 20e-6
-    """Fixed cost of one collective, seconds."""
-    team_efficiency: float = 1.0
-    """Fraction of the ideal ``k``-fold NS compute speed-up a team of ``k`` reaches, in (0, 1]."""
-    max_team: int | None = None
-    """Largest team / number of duplicate homes of one matrix; ``None``: no cap."""
-    dtype_bytes: int = 2
-    """Bytes per element on the wire and in the gathers (bf16)."""
-
-    def __post_init__(self) -> None:
-        for name in ("ns_flops_per_s", "intra_node_bytes_per_s", "inter_node_bytes_per_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"SurplusCostModel.{name} must be a finite number > 0, got {v!r}")
-        v = self.latency_s
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"SurplusCostModel.latency_s must be a finite number >= 0, got {v!r}")
-        v = self.team_efficiency
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise ValueError(f"SurplusCostModel.team_efficiency must be in (0, 1], got {v!r}")
-        for name in ("ns_steps",):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"SurplusCostModel.{name} must be an int >= 0, got {v!r}")
-        for name in ("ranks_per_node", "dtype_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"SurplusCostModel.{name} must be an int >= 1, got {v!r}")
-        if self.max_team is not None and (
-            isinstance(self.max_team, bool) or not isinstance(self.max_team, int) or self.max_team < 1
-        ):
-            raise ValueError(f"SurplusCostModel.max_team must be an int >= 1 or None, got {self.max_team!r}")
-
-
-#: A CPU rank on gloo over loopback: the NS rate one rank of this project's test machine measured (Intel Xeon with
-#: AMX bf16, one thread: NS of 512x2048 in 25.4 ms, ``overlap-muon-bench --cases surplus --quick``, i.e.
-#: ``ns_flops / 25.4 ms``), gloo's per-collective cost and loopback bandwidth as order-of-magnitude figures, one
-#: "node". The runtime plans CPU jobs with it, CUDA jobs with the H200-class defaults.
-CPU_GLOO = SurplusCostModel(ns_flops_per_s=4.8e11, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9,
-                            ranks_per_node=1 << 20, latency_s=3e-4)
+#: Re-exported: ``overlap_muon.apps.simulate`` imports this cost-model helper from here.
+_estimate_parts = _surplus_cost._estimate_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,46 +121,6 @@ class SurplusPlan:
     """Ranks the wave's homes left free (before this plan used any)."""
 
 
-def _link_s(intra: float, inter: float, cm: SurplusCostModel) -> float:
-    if intra <= 0 and inter <= 0:
-        return 0.0
-    return cm.latency_s + max(intra / cm.intra_node_bytes_per_s, inter / cm.inter_node_bytes_per_s)
-
-
-class _Nodes:
-    """Node arithmetic of a domain of ``S`` consecutive ranks, ``rpn`` per node."""
-
-    def __init__(self, S: int, rpn: int) -> None:
-        self.S, self.rpn = S, rpn
-
-    def node(self, r: int) -> int:
-        return r // self.rpn
-
-    def same_node_peers(self, r: int) -> int:
-        """Other domain ranks on ``r``'s node."""
-        lo = self.node(r) * self.rpn
-        return min(self.S, lo + self.rpn) - lo - 1
-
-
-def _dup_served(ranks: Sequence[int], nodes: _Nodes) -> list[list[int]]:
-    """Per duplicate home, the other ranks it sends results to (same node first, the rest round robin)."""
-    home_on = {}
-    for j, h in enumerate(ranks):
-        home_on.setdefault(nodes.node(h), j)
-    served: list[list[int]] = [[] for _ in ranks]
-    rr = 0
-    members = set(ranks)
-    for r in range(nodes.S):
-        if r in members:
-            continue
-        j = home_on.get(nodes.node(r))
-        if j is None:
-            j = rr % len(ranks)
-            rr += 1
-        served[j].append(r)
-    return served
-
-
 def serving_homes(assignment: SurplusAssignment, num_ranks: int, ranks_per_node: int = 8) -> list[int]:
     """Per domain rank, the rank of ``assignment.ranks`` it receives its block of the NS result from.
 
@@ -249,96 +146,6 @@ def serving_homes(assignment: SurplusAssignment, num_ranks: int, ranks_per_node:
         for r in served:
             out[r] = h
     return out
-
-
-def _estimate_parts(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes,
-                    cm: SurplusCostModel) -> list[tuple[float, float, float]]:
-    """Per member of ``ranks``: ``(to-home, NS lane, back)`` seconds; see [Note: surplus cost model]."""
-    p, q = shape
-    S, k = nodes.S, len(ranks)
-    M = p * q * cm.dtype_bytes
-    s = M / S
-    ns = ns_flops((p, q), cm.ns_steps) / cm.ns_flops_per_s
-    served = _dup_served(ranks, nodes) if kind == "duplicate" else None
-    out = []
-    for j, h in enumerate(ranks):
-        share = 1.0 / k if kind == "team" else 1.0
-        intra_peers = nodes.same_node_peers(h)
-        inter_peers = S - 1 - intra_peers
-        to = _link_s(intra_peers * s * share, inter_peers * s * share, cm)
-        if served is not None:
-            same = sum(1 for r in served[j] if nodes.node(r) == nodes.node(h))
-            back = _link_s(same * s, (len(served[j]) - same) * s, cm)
-        else:
-            back = _link_s(intra_peers * s * share, inter_peers * s * share, cm)
-        work = ns
-        if kind == "team" and k > 1:
-            peers_same = sum(1 for g in ranks if g != h and nodes.node(g) == nodes.node(h))
-            work = _team_ns_s((p, q), k, peers_same / (k - 1), cm)[0]
-        out.append((to, work, back))
-    return out
-
-
-def _team_ns_s(shape: tuple[int, int], k: int, frac_same: float, cm: SurplusCostModel) -> tuple[float, bool]:
-    """Seconds of a ``k``-member team's NS of one matrix (compute + all-reduces, [Note: surplus cost model]) and
-    whether splitting ``b*A + c*A@A`` by rows (plus one all-gather of ``B`` per step) is the faster way."""
-    m, n = min(shape), max(shape)
-    rate = cm.ns_flops_per_s * cm.team_efficiency
-
-    def link(nbytes: float) -> float:
-        return max(nbytes * frac_same / cm.intra_node_bytes_per_s, nbytes * (1 - frac_same) / cm.inter_node_bytes_per_s)
-
-    gram = m * m * cm.dtype_bytes
-    base = cm.ns_steps * (4 * m * m * n / k / rate + cm.latency_s + link(2 * gram * (k - 1) / k)) + cm.latency_s
-    whole = base + cm.ns_steps * 2 * m ** 3 / rate
-    split = base + cm.ns_steps * (2 * m ** 3 / k / rate + cm.latency_s + link(gram * (k - 1) / k))
-    return (split, True) if split < whole else (whole, False)
-
-
-def team_splits_poly(shape: tuple[int, int], k: int, cost_model: SurplusCostModel | None = None) -> bool:
-    """Whether a team of ``k`` (on one node) should split ``B = b*A + c*A@A`` by rows and all-gather it, rather
-    than have every member compute all of it (``overlap_muon.team_ns`` [Note: team NS by columns]): the
-    ``2*m**3 * (k-1)/k`` FLOPs saved per step against one all-gather of ``(k-1)/k`` of the ``m x m`` ``B``."""
-    _check_shape(shape)
-    return k > 1 and _team_ns_s(tuple(shape), k, 1.0, cost_model or SurplusCostModel())[1]
-
-
-def _estimate(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes, cm: SurplusCostModel) -> float:
-    return max(a + b + c for a, b, c in _estimate_parts(shape, kind, ranks, nodes, cm))
-
-
-def matrix_estimate_s(
-    shape: tuple[int, int],
-    kind: str,
-    ranks: Sequence[int],
-    num_ranks: int,
-    cost_model: SurplusCostModel | None = None,
-) -> float:
-    """The cost model's to-home + NS + back of one matrix, seconds; see [Note: surplus cost model].
-
-    Args:
-        shape: the full logical ``(P, Q)``.
-        kind: ``"single"``, ``"duplicate"`` or ``"team"``.
-        ranks: the domain ranks holding it (one for ``"single"``), distinct, in ``[0, num_ranks)``.
-        num_ranks: the domain size ``S``.
-        cost_model: machine figures (default :class:`SurplusCostModel`).
-
-    Raises:
-        ValueError: bad shape, kind or ranks.
-    """
-    cm = cost_model or SurplusCostModel()
-    _check_num_ranks(num_ranks)
-    shape = _check_shape(shape)
-    if kind not in ("single", "duplicate", "team"):
-        raise ValueError(f"kind must be 'single', 'duplicate' or 'team', got {kind!r}")
-    ranks = list(ranks)
-    if not ranks or len(set(ranks)) != len(ranks) or any(
-        isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < num_ranks for r in ranks
-    ):
-        raise ValueError(f"ranks must be distinct ints in [0, {num_ranks}), got {ranks!r}")
-    if kind == "single" and len(ranks) != 1:
-        raise ValueError(f"a 'single' matrix has one home, got ranks {ranks!r}")
-    return _estimate(shape, kind, ranks, _Nodes(num_ranks, cm.ranks_per_node), cm)
 
 
 def _greedy(kind: str, params: Sequence[int], homes: Mapping[int, int], shapes: Mapping[int, tuple[int, int]],

@@ -1,21 +1,20 @@
-"""Waves: which Muon matrices are exchanged and orthogonalized together, and when each group is launched.
+"""Waves: which Muon matrices are exchanged and orthogonalized together.
 
-Planning (:func:`plan_waves`) is a pure function, identical on every rank. Dispatch (:class:`WaveDispatcher`)
-is the per-step state machine that turns gradient-ready marks, arriving in any order from any thread, into
-``launch(wave)`` calls in strict wave order (DESIGN.md §4 invariant 2: every rank issues the exchanges in the
-same order). :class:`ReadinessRecorder` measures the gradient-ready order that the plan is built from.
+Planning (:func:`plan_waves`, by count, or :func:`plan_waves_by_cost`) is a pure function, identical on every rank.
+Dispatch, the per-step state machine that launches the planned waves in order (:class:`WaveDispatcher`), and the
+recorder of the gradient-ready order the plan is built from (:class:`ReadinessRecorder`) are in
+``scheduler/dispatch.py``.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .homes import _check_costs, _check_num_ranks, lpt_homes
 
-__all__ = ["Wave", "plan_waves", "plan_by_domain", "WaveCostModel", "plan_waves_by_cost", "WaveDispatcher", "ReadinessRecorder"]
+__all__ = ["Wave", "plan_waves", "plan_by_domain", "WaveCostModel", "plan_waves_by_cost"]
 
 _BALANCES = ("lpt", "round_robin")
 
@@ -70,7 +69,7 @@ def plan_waves(
 
     [Note: wave taper] Backward makes gradients last-layer-first and the next forward needs the first layers
     first, so the last wave launched (the first layers) is awaited first and its exchange + NS + exchange is
-    the one piece of optimizer time that cannot hide (DESIGN.md "[Note: the critical path]"). With
+    the one piece of optimizer time that cannot hide ([Note: the critical path] in docs/design.md). With
     ``taper=True`` the waves are cut from the END of ``order``: the last wave holds at most
     ``max(1, wave_slots // 4)`` params, the one before at most ``max(1, wave_slots // 2)``, every earlier wave
     ``wave_slots``; the first wave (launched earliest, with the most backward left to hide in) takes the
@@ -142,7 +141,7 @@ def plan_by_domain(
     plan_one: Callable[[list[int], list[int], int], list[Wave]],
 ) -> list[Wave]:
     """One launch order for params routed on several domains (dense and expert: [Note: two domains] in
-    ``overlap_muon/domain.py``).
+    ``overlap_muon/discovery.py``).
 
     Each domain's params are planned on their own by ``plan_one(sub_order, members, domain)``, where ``members``
     lists the domain's param indices (ascending) and ``sub_order`` is their readiness order as positions in
@@ -411,181 +410,3 @@ def plan_waves_by_cost(
         k += 1
     sizes_out = [b - a for a, b in zip(bounds, bounds[1:])]
     return _assign_homes(order, sizes_out, costs, num_ranks, balance)
-
-
-class WaveDispatcher:
-    """Turns per-param "gradient ready" marks into ``launch(wave)`` calls, strictly in wave order.
-
-    A wave is launched once every one of its params is marked and every earlier wave has been launched, so
-    the launch sequence is ``waves[0], waves[1], ...`` on every rank whatever order (or thread) the marks
-    arrive in. :meth:`flush` launches what is left, so a param whose gradient never arrives cannot stall a
-    wave (DESIGN.md §4 invariant 3).
-
-    [Note: launch under the lock] ``launch`` is called while holding the dispatcher's lock. That is the
-    simplest way to keep launches in order when marks race on several threads (autograd device threads, a
-    DDP comm hook's completion thread): a thread that finds wave k launchable launches it before any other
-    thread can look at wave k+1. The cost is that ``launch`` should be quick (enqueue work on a lane, not do
-    it). The lock is re-entrant: a ``launch`` that itself calls :meth:`mark_ready` or :meth:`flush` on the
-    same thread only records the mark; the outer launch loop picks it up after ``launch`` returns, so order
-    still holds. If ``launch`` raises, the exception propagates, that wave counts as not launched and the
-    dispatcher refuses further marks and flushes (``RuntimeError``) until :meth:`reset`: a half-launched
-    step must not go on issuing collectives.
-
-    Args:
-        waves: the plan, ``waves[k].index == k``, each param in exactly one wave, no empty wave.
-        launch: called once per wave per step with the :class:`Wave`.
-
-    Raises:
-        ValueError: a wave's index is not its position, a wave is empty, or a param is in two waves.
-    """
-
-    def __init__(self, waves: Sequence[Wave], launch: Callable[[Wave], None]) -> None:
-        self._waves = tuple(waves)
-        self._launch = launch
-        self._wave_of: dict[int, int] = {}
-        for k, w in enumerate(self._waves):
-            if w.index != k:
-                raise ValueError(f"wave at position {k} has index {w.index}; expected {k}")
-            if not w.params:
-                raise ValueError(f"wave {k} has no params")
-            for i in w.params:
-                if i in self._wave_of:
-                    raise ValueError(f"param {i} is in wave {self._wave_of[i]} and wave {k}")
-                self._wave_of[i] = k
-        self._lock = threading.RLock()
-        self._in_launch = False
-        self._pending_flush = False
-        self._failed: BaseException | None = None
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new step: forget every mark and launch."""
-        with self._lock:
-            self._marked: set[int] = set()
-            self._remaining = [len(w.params) for w in self._waves]
-            self._next = 0
-            self._failed = None
-
-    @property
-    def num_waves(self) -> int:
-        return len(self._waves)
-
-    @property
-    def launched(self) -> int:
-        """Number of waves launched this step (waves ``0 .. launched-1``)."""
-        with self._lock:
-            return self._next
-
-    @property
-    def all_launched(self) -> bool:
-        with self._lock:
-            return self._next == len(self._waves)
-
-    def mark_ready(self, i: int) -> None:
-        """Param ``i``'s gradient is ready; launch every wave that has become launchable, in order.
-
-        Marking a param twice in a step is a no-op. Thread-safe.
-
-        Raises:
-            ValueError: ``i`` is in no wave.
-            RuntimeError: an earlier ``launch`` raised this step.
-        """
-        k = self._wave_of.get(i)
-        if k is None:
-            raise ValueError(f"param {i!r} is in no wave (known params: {len(self._wave_of)})")
-        with self._lock:
-            self._check_failed()
-            if i in self._marked:
-                return
-            self._marked.add(i)
-            self._remaining[k] -= 1
-            self._drain(flush=False)
-
-    def flush(self) -> int:
-        """Launch every wave not yet launched, in order, marked or not. Returns how many it launched.
-
-        Raises:
-            RuntimeError: an earlier ``launch`` raised this step.
-        """
-        with self._lock:
-            self._check_failed()
-            before = self._next
-            self._drain(flush=True)
-            return self._next - before
-
-    def _check_failed(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(
-                f"a launch failed earlier this step (wave {self._next}: {self._failed!r}); call reset()"
-            )
-
-    def _drain(self, flush: bool) -> None:
-        # Called with the lock held. A re-entrant call from inside launch only records its mark (done by the
-        # caller); the running loop below re-reads the state after launch returns.
-        if self._in_launch:
-            if flush:
-                self._pending_flush = True
-            return
-        self._pending_flush = flush
-        self._in_launch = True
-        try:
-            while self._next < len(self._waves) and (self._pending_flush or self._remaining[self._next] == 0):
-                wave = self._waves[self._next]
-                try:
-                    self._launch(wave)
-                except BaseException as e:
-                    self._failed = e
-                    raise
-                self._next += 1
-        finally:
-            self._in_launch = False
-            self._pending_flush = False
-
-
-class ReadinessRecorder:
-    """Records the order in which params' gradients became ready during one step.
-
-    Feed it the same marks as the dispatcher (thread-safe; only a param's first mark in a step counts) and
-    read :meth:`order` after backward. Ranks can observe different orders (thread timing, DDP buckets), so a
-    caller that plans from it broadcasts one rank's order (e.g. rank 0's) before :func:`plan_waves`.
-
-    Args:
-        num_params: params are ``0 .. num_params-1``.
-
-    Raises:
-        ValueError: ``num_params < 0``.
-    """
-
-    def __init__(self, num_params: int) -> None:
-        if not isinstance(num_params, int) or num_params < 0:
-            raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
-        self._n = num_params
-        self._lock = threading.Lock()
-        self._seen: dict[int, None] = {}  # insertion-ordered set
-
-    def mark_ready(self, i: int) -> None:
-        """Record param ``i`` (first occurrence only). Raises ValueError if ``i`` is out of range."""
-        if not isinstance(i, int) or not 0 <= i < self._n:
-            raise ValueError(f"param index {i!r} out of range [0, {self._n})")
-        with self._lock:
-            self._seen.setdefault(i, None)
-
-    @property
-    def recorded(self) -> tuple[int, ...]:
-        """Params marked so far this step, in mark order."""
-        with self._lock:
-            return tuple(self._seen)
-
-    def order(self) -> list[int]:
-        """A full permutation of ``range(num_params)``: the marked params in mark order, then the unmarked ones
-        in reverse index order (the order backward usually reaches them)."""
-        with self._lock:
-            seen = list(self._seen)
-        marked = set(seen)
-        rest = [i for i in range(self._n - 1, -1, -1) if i not in marked]
-        return seen + rest
-
-    def reset(self) -> None:
-        """Start a new step."""
-        with self._lock:
-            self._seen.clear()

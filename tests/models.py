@@ -34,7 +34,7 @@ class TinyNet(nn.Module):
 
 
 def block(full: torch.Tensor, pd: int | None, R: int, T: int, g: int, t: int) -> torch.Tensor:
-    """Rank (g, t)'s block of a full (P, Q) tensor (DESIGN.md section 2), written with torch.chunk directly."""
+    """Rank (g, t)'s block of a full (P, Q) tensor (docs/design.md §2), written with torch.chunk directly."""
 
     def pick(x: torch.Tensor, parts: int, i: int, dim: int) -> torch.Tensor:
         chunks = torch.chunk(x, parts, dim=dim)
@@ -190,7 +190,7 @@ def explicit_groups(R: int, T: int, g: int, t: int):
 def plain_opt(model: nn.Module, R: int, T: int, g: int, t: int, *, all_2d: bool = True, **kw):
     """OverlapMuon over plain local blocks on an R x T domain with explicit groups (Muon on every 2-D param when
     ``all_2d``, else on nn.Linear weights), the shared hyper-parameters and AdamW settings."""
-    from overlap_muon import OverlapMuon
+    from tests.seams import SeamedOverlapMuon as OverlapMuon
 
     extra = dict(MUON_2D) if all_2d else {}
     if R * T > 1:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from overlap_muon.apps import bench
+from overlap_muon.apps.bench import cli, common, peers
 
 _SUBSET = ("step", "ns", "comm", "balance", "surplus", "memory")
 
@@ -97,9 +98,9 @@ def test_bad_arguments_name_the_problem(capsys):
 
 
 def test_py_spy_missing_says_so(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
-    opts = bench._Options(quick=True, repeats=None, baseline=True, trace_dir=str(tmp_path), timeout_s=10.0)
-    out = bench._py_spy(opts)
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
+    opts = common._Options(quick=True, repeats=None, baseline=True, trace_dir=str(tmp_path), timeout_s=10.0)
+    out = cli._py_spy(opts)
     assert out["ok"] is False
     assert "py-spy is not installed" in capsys.readouterr().out
 
@@ -149,16 +150,14 @@ def test_peers_case_runs_quick_or_skips_cleanly(tmp_path):
     """``--cases peers --quick`` either measures OverlapMuon against torchtitan's DistMuon, with every result
     ``torch.equal`` (the case fails otherwise), or, without torchtitan, is skipped with the install line and
     exits 0."""
-    from overlap_muon.apps import bench_peers as _bench_peers
-
     path = tmp_path / "peers.json"
     rc = bench.main(["--quick", "--repeats", "2", "--cases", "peers", "--json", str(path), "--timeout", "200"])
     assert rc == 0
     case = json.loads(path.read_text())["cases"]["peers"]
     assert set(case["ratios"]) == set(bench.expected_ratio_keys("peers"))
-    flex, why = _bench_peers.import_dist_muon()
+    flex, why = peers.import_dist_muon()
     if flex is None:
-        assert _bench_peers.INSTALL_HINT in case["details"]["skipped"]
+        assert peers.INSTALL_HINT in case["details"]["skipped"]
         assert all(v is None for v in case["ratios"].values())
         return
     det = case["details"]
@@ -170,29 +169,51 @@ def test_peers_case_runs_quick_or_skips_cleanly(tmp_path):
 
 
 def test_peers_case_skips_with_the_install_line_when_torchtitan_is_missing(monkeypatch, tmp_path):
-    from overlap_muon.apps import bench_peers as _bench_peers
-
-    monkeypatch.setattr(_bench_peers, "import_dist_muon", lambda: (None, "no torchtitan here"))
-    opts = bench._Options(quick=True, repeats=1, baseline=True, trace_dir=str(tmp_path), timeout_s=10.0)
-    res = bench._case_peers(opts)
+    monkeypatch.setattr(peers, "import_dist_muon", lambda: (None, "no torchtitan here"))
+    opts = common._Options(quick=True, repeats=1, baseline=True, trace_dir=str(tmp_path), timeout_s=10.0)
+    res = peers.run(opts)
     assert res.ratios == {k: None for k in bench.expected_ratio_keys("peers")}
     assert "skipped" in res.lines[0] and "no torchtitan here" in res.lines[0]
 
 
 def test_dist_muon_cpu_patches_are_scoped():
     """The CPU patches exist only inside the context, and not at all for a CUDA device."""
-    from overlap_muon.apps import bench_peers as _bench_peers
-
-    flex, _ = _bench_peers.import_dist_muon()
+    flex, _ = peers.import_dist_muon()
     if flex is None:
         pytest.skip("torchtitan is not installed")
     from torchtitan.distributed.flex_shard.dist_muon import DistMuon
 
     orig_stream, orig_check = torch.cpu.Stream, DistMuon.__dict__["_validate_parameter_storage"]
-    with _bench_peers.dist_muon_cpu_patches(torch.device("cuda")):
+    with peers.dist_muon_cpu_patches(torch.device("cuda")):
         assert torch.cpu.Stream is orig_stream
-    with _bench_peers.dist_muon_cpu_patches(torch.device("cpu")):
+    with peers.dist_muon_cpu_patches(torch.device("cpu")):
         torch.cpu.Stream(device=torch.device("cpu"), priority=0)  # what _optimizer_reshard_runtime.py:267 calls
         assert DistMuon.__dict__["_validate_parameter_storage"] is not orig_check
     assert torch.cpu.Stream is orig_stream
     assert DistMuon.__dict__["_validate_parameter_storage"] is orig_check
+
+
+def test_case_modules_import_common_and_the_library_only():
+    """One module per case, each with ``RATIO_KEYS`` and ``run``; a case module imports ``common`` and the library,
+    never another case module, ``cli`` or the package itself (no import cycle), checked on the source."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(bench.__file__).parent
+    assert set(bench.CASE_MODULES) == set(bench.CASES)
+    for name, module in bench.CASE_MODULES.items():
+        assert module.__name__ == f"{bench.__name__}.{name}"
+        assert callable(module.run) and module.RATIO_KEYS == bench.expected_ratio_keys(name)
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and node.module == "common", (name, node.lineno, ast.unparse(node))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                for m in mods:
+                    assert not (m == bench.__name__ or m.startswith(bench.__name__ + ".")) or m == common.__name__, (
+                        name, node.lineno, m)
+    common_tree = ast.parse((folder / "common.py").read_text())
+    for node in ast.walk(common_tree):
+        if isinstance(node, ast.ImportFrom):
+            assert not node.level and not (node.module or "").startswith(bench.__name__), ast.unparse(node)

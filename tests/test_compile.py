@@ -12,8 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from overlap_muon import OverlapMuon
-from overlap_muon.pipeline import TestingSeam
+from tests.seams import SeamedOverlapMuon as OverlapMuon, TestingSeam
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, local
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from overlap_muon import OverlapMuon
+from tests.seams import SeamedOverlapMuon as OverlapMuon, TestingSeam
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, TinyNet, build_dtensor_model, local
 
@@ -419,8 +419,7 @@ def test_loss_built_from_the_params_without_a_forward_waits_at_step():
     weights before the last step's update landed: a silent difference. Now, with ``async_step`` (the default step
     waits anyway), ``step()`` sees that no forward wait ran since the last step, waits for its own updates and
     warns once; equal to torch.optim.Muon."""
-    from overlap_muon.pipeline import TestingSeam
-
+    
     torch.manual_seed(0)
     model = nn.Module()
     model.a, model.b = nn.Linear(16, 24, bias=False), nn.Linear(24, 16, bias=False)
@@ -534,3 +533,32 @@ def _version_fix_body(rank, world):
             torch.equal(x, torch.tensor([0.0, 2.0, 4.0])), y._version > vy and torch.equal(y, torch.full((2,), 0.5)),
             torch.equal(z[0], torch.full((2,), 0.5)),
             pickle.loads(pickle.dumps(torch._foreach_mul_)) is torch._foreach_mul_)
+
+
+def _version_fix_lifetime_body(rank, world):
+    import logging
+
+    from overlap_muon import version_fix
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("overlap_muon").addHandler(handler)
+    logging.getLogger("overlap_muon").setLevel(logging.INFO)
+    originals = (dist.all_reduce, getattr(torch, version_fix.AMP_UNSCALE))
+    a, b = OverlapMuon(nn.Linear(4, 4)), OverlapMuon(nn.Linear(4, 4))
+    wrapped = dist.all_reduce is not originals[0] and getattr(torch, version_fix.AMP_UNSCALE) is not originals[1]
+    logged = [r.getMessage() for r in records if "wrapped" in r.getMessage()]
+    a.close()
+    kept = dist.all_reduce is not originals[0]  # b still needs it
+    b.close()
+    restored = (dist.all_reduce, getattr(torch, version_fix.AMP_UNSCALE)) == originals
+    return wrapped, len(logged), kept, restored, version_fix.installed()
+
+
+@pytest.mark.timeout(120)
+def test_version_fix_is_logged_and_removed_with_the_last_overlap_optimizer():
+    """Building an optimizer patches torch functions for the whole process: it says so once (rank 0, logger
+    ``overlap_muon``), and the last overlap-mode optimizer to close puts the originals back."""
+    ((wrapped, logged, kept, restored, left),) = run_ranks(_version_fix_lifetime_body, 1, timeout=90)
+    assert wrapped and logged == 1 and kept and restored and not left

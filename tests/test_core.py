@@ -9,7 +9,7 @@ from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
 from overlap_muon import OverlapMuon, resolve_config, zeropower
-from overlap_muon.pipeline import TestingSeam
+from tests.seams import SeamedOverlapMuon, TestingSeam
 from overlap_muon.config import ENV_VARS
 from overlap_muon.scheduler import load_report, lpt_homes, ns_flops, round_robin_homes
 from tests.dist_utils import run_ranks
@@ -144,8 +144,8 @@ def _ns_once(rank, world, n):
         layer.weight.full_shape = tuple(full.shape)
     calls = []
     seam = TestingSeam(ns_wrap=lambda ns, mats, kw: (calls.append(len(mats)), ns(mats, kw))[1])
-    opt = OverlapMuon(model, tp_group=dist.group.WORLD if world > 1 else None, overlap=False, lr=0.02,
-                      _testing=seam)
+    opt = SeamedOverlapMuon(model, tp_group=dist.group.WORLD if world > 1 else None, overlap=False, lr=0.02,
+                            _testing=seam)
     mu = torch.optim.Muon(ref.parameters(), lr=0.02)
     for s in range(2):
         gen = torch.Generator().manual_seed(s)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap_muon import OverlapMuon
+from tests.seams import SeamedOverlapMuon as OverlapMuon, TestingSeam
 from tests.conftest import requires_cuda
 from tests.dist_utils import run_ranks
 from tests.models import HP, PlainShardNet, block
@@ -153,8 +153,7 @@ def test_fsdp2_overlap_step_has_no_host_sync():
 def _fsdp_race(rank, world, patch_streams):
     import overlap_muon.hooks.forward_wait as fw
     import overlap_muon.optimizer as om
-    from overlap_muon.pipeline import TestingSeam
-
+    
     if patch_streams:  # the defect: only the current stream waits, FSDP2's copy-in stream does not
         om.fsdp_param_streams = lambda module: []
     outs = []
@@ -187,8 +186,7 @@ def _fsdp_barrier(rank, world):
     forward's all-gather, with no host sync in ``step()``, and every step hands the root a post-optimizer event."""
     from torch.distributed.fsdp import FSDPModule
 
-    from overlap_muon.pipeline import TestingSeam
-
+    
     events = []
     original = FSDPModule.set_post_optim_event
     FSDPModule.set_post_optim_event = lambda self, event: (events.append(event), original(self, event))[1]

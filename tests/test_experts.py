@@ -1,6 +1,6 @@
 """MoE experts on their own domain: grouped 3-D ``(E, P, Q)`` weights and per-expert linears, sharded over
 EP x ETP beside a dense remat x TP domain, bitwise equal to ``torch.optim.Muon`` on every expert matrix as its own
-param ([Note: two domains] in ``overlap_muon/domain.py``)."""
+param ([Note: two domains] in ``overlap_muon/discovery.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Release on time (DESIGN.md invariant 9): a wave's tensors die once its update has been applied and waited for.
+"""Release on time (docs/design.md, invariant 9): a wave's tensors die once its update has been applied and waited for.
 
 Regression: a wave's lane handle kept its task closures alive, and through them the step's gradients, packed bf16
 momenta, assembled full matrices and returned shards, until the same wave launched again in the next backward.
@@ -14,12 +14,14 @@ import weakref
 import pytest
 import torch
 
+import overlap_muon.exchanges as exchanges_mod
 import overlap_muon.pipeline as pipeline_mod
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, TinyNet, build_dtensor_model
 
-WRAPPED = ("momentum_update", "ns_input", "to_homes", "from_homes", "all_gather_full", "zeropower")
+WRAPPED = ((pipeline_mod, "momentum_update"), (pipeline_mod, "ns_input"), (exchanges_mod, "to_homes"),
+           (exchanges_mod, "from_homes"), (exchanges_mod, "all_gather_full"), (pipeline_mod, "zeropower"))
 
 
 class _Spy:
@@ -28,16 +30,16 @@ class _Spy:
     def __init__(self) -> None:
         self.step = 0
         self.refs: dict[int, list[tuple[str, weakref.ref]]] = {}
-        self._orig = {n: getattr(pipeline_mod, n) for n in WRAPPED}
+        self._orig = {(mod, n): getattr(mod, n) for mod, n in WRAPPED}
 
     def __enter__(self) -> "_Spy":
-        for name, fn in self._orig.items():
-            setattr(pipeline_mod, name, self._wrap(name, fn))
+        for (mod, name), fn in self._orig.items():
+            setattr(mod, name, self._wrap(name, fn))
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, fn in self._orig.items():
-            setattr(pipeline_mod, name, fn)
+        for (mod, name), fn in self._orig.items():
+            setattr(mod, name, fn)
 
     def _wrap(self, name, fn):
         def call(*args, **kwargs):

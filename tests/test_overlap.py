@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap_muon import OverlapMuon
-from overlap_muon.pipeline import TestingSeam
+from tests.seams import SeamedOverlapMuon as OverlapMuon, TestingSeam
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, Deep, PlainShardNet, TinyNet, block, build_dtensor_model, local, plain_opt
 

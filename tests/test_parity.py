@@ -1,4 +1,4 @@
-"""Bitwise parity of OverlapMuon (synchronous path) with torch.optim.Muon + torch.optim.AdamW (DESIGN invariant 1).
+"""Bitwise parity of OverlapMuon (synchronous path) with torch.optim.Muon + torch.optim.AdamW (docs/design.md, invariant 1).
 
 Every rank trains an unsharded reference copy with the same gradients and compares its own shards of every
 param and momentum buffer with ``torch.equal``. Gradients are set directly (not computed by a TP forward),

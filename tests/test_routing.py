@@ -102,7 +102,7 @@ def test_params_by_home_uneven_and_errors():
 
 @pytest.mark.parametrize("R,T", [(1, 1), (1, 3), (3, 1), (2, 2), (2, 3), (4, 1), (1, 4)])
 def test_local_shard_matches_layout_definition(R, T):
-    """local_shard is exactly the torch.chunk layout of FSDP2 + TP (DESIGN.md section 2), and the blocks tile."""
+    """local_shard is exactly the torch.chunk layout of FSDP2 + TP (docs/design.md §2), and the blocks tile."""
     for P, Q in [(5, 7), (1, 3), (7, 1), (0, 4), (9, 2)]:
         full = torch.arange(P * Q, dtype=torch.float32).reshape(P, Q)
         for pd in (0, 1, None):

@@ -27,13 +27,19 @@ LANE_MAKERS = {"Stream", "Event", "Thread", "ThreadPoolExecutor"}
 
 
 def _modules(root: Path) -> dict[str, Path]:
-    """Import name -> file, for every library module (the apps excluded)."""
+    """Import name -> file, for every library module, subpackages included (the apps excluded)."""
     out = {}
     for folder, package in PACKAGES.items():
-        for path in sorted((root / folder).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            out[name] = path
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = [package, *path.relative_to(root / folder).with_suffix("").parts]
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if not (name + ".").startswith("overlap_muon.apps."):
+                out[name] = path
     return out
+
+
+def _math_or_layout(name: str) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in MATH_AND_LAYOUT)
 
 
 def _imports(name: str, path: Path, tree: ast.AST) -> list[tuple[int, str]]:
@@ -72,7 +78,7 @@ def violations(root: Path) -> list[str]:
         for line, mod in _imports(name, path, tree):
             if mod == "overlap_muon.apps" or mod.startswith("overlap_muon.apps."):
                 bad.append(f"{where}:{line}: the library imports the apps ({mod})")
-            if name in MATH_AND_LAYOUT and mod.startswith("overlap_muon.scheduler"):
+            if _math_or_layout(name) and mod.startswith("overlap_muon.scheduler"):
                 bad.append(f"{where}:{line}: a math/layout module imports the planner ({mod})")
             if name.startswith("overlap_muon.scheduler") and (mod == "torch" or mod.startswith("torch.")):
                 bad.append(f"{where}:{line}: the planner imports torch ({mod})")
@@ -105,6 +111,7 @@ def test_planted_violations_are_caught(tmp_path):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     plants = {
         "overlap_muon/ns.py": "from .scheduler.cost import ns_flops\n",
+        "overlap_muon/layer_sharded_a2a/_route.py": "from ..scheduler import plan_waves\n",
         "overlap_muon/pipeline.py": "from .apps import bench\n",
         "overlap_muon/optimizer.py": "import torch.distributed as _d\n_g = _d.new_group([0])\n",
         "overlap_muon/config.py": "import threading\n_t = threading.Thread(target=print)\n",
@@ -116,6 +123,7 @@ def test_planted_violations_are_caught(tmp_path):
             f.write(text)
     found = "\n".join(violations(tmp_path))
     for rel, what in (("overlap_muon/ns.py", "imports the planner"), ("overlap_muon/pipeline.py", "imports the apps"),
+                      ("overlap_muon/layer_sharded_a2a/_route.py", "imports the planner"),
                       ("overlap_muon/optimizer.py", "creates a process group"),
                       ("overlap_muon/config.py", "stream/event/thread"), ("scheduler/waves.py", "imports torch"),
                       ("hooks/ownership.py", "top-level name 'scheduler'")):

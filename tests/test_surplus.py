@@ -25,6 +25,11 @@ _LINK_BOUND = SurplusCostModel(ns_flops_per_s=1e15, intra_node_bytes_per_s=1e9, 
                                ranks_per_node=4, latency_s=1e-3)
 
 
+def _waves_of_kind(opt, *kinds: str) -> set[int]:
+    """The waves whose frozen plan (``opt._plans``) has one of ``kinds`` (the runtime decides nothing later)."""
+    return {p.wave.index for p in opt._plans if p.kind in kinds}
+
+
 def _check_plan(plan, params, homes, num_ranks):
     assert set(plan.assignments) == set(params)
     multi = [r for a in plan.assignments.values() if len(a.ranks) > 1 for r in a.ranks]
@@ -218,8 +223,8 @@ def _surplus_body(rank, world, R, T, surplus, overlap):
         opt.zero_grad()
     opt.synchronize()
     out = {n: local(p).detach().clone() for n, p in model.named_parameters()}
-    gathered = sorted(opt._pipeline.gathered) + sorted(opt._pipeline.teamed)
-    partial = sorted(opt._pipeline.dup_homes)
+    gathered = sorted(_waves_of_kind(opt, "gathered", "team")) + sorted(_waves_of_kind(opt, "team"))
+    partial = sorted(p.wave.index for p in opt._plans if p.dup)
     opt.close()
     return out, gathered, partial
 
@@ -274,8 +279,8 @@ def _team_body(rank, world, R, T, surplus, shapes=_TEAM_SHAPES):
     opt.synchronize()
     out = [p.detach().clone() for p in net.parameters()]
     wave_of = opt._wave_of
-    teamed = sorted(k for k in range(len(shapes)) if wave_of[k] in opt._pipeline.teamed)
-    gathered = sorted(k for k in range(len(shapes)) if wave_of[k] in opt._pipeline.gathered)
+    teamed = sorted(k for k in range(len(shapes)) if wave_of[k] in _waves_of_kind(opt, "team"))
+    gathered = sorted(k for k in range(len(shapes)) if wave_of[k] in _waves_of_kind(opt, "gathered", "team"))
     opt.close()
     return out, teamed, gathered
 
@@ -395,7 +400,7 @@ def _fallback_body(rank, world, surplus):
     out = [p.detach().clone() for p in (net.conv.weight, net.qkv.weight)]
     mi = {m.name: k for k, m in enumerate(opt._muon)}
     waves = [opt._wave_of[mi["conv.weight"]], opt._wave_of[mi["qkv.weight"]]]
-    teamed = [k for k, w in enumerate(waves) if w in opt._pipeline.teamed]
-    gathered = [k for k, w in enumerate(waves) if w in opt._pipeline.gathered]
+    teamed = [k for k, w in enumerate(waves) if w in _waves_of_kind(opt, "team")]
+    gathered = [k for k, w in enumerate(waves) if w in _waves_of_kind(opt, "gathered", "team")]
     opt.close()
     return out, teamed, gathered

@@ -117,7 +117,7 @@ __all__ = [
     "main",
 ]
 
-#: bf16: the update is cast before routing (DESIGN.md section 1).
+#: bf16: the update is cast before routing (docs/design.md §1).
 _WIRE_BYTES = 2
 #: Pack, per element of the local shard: fp32 grad read (4) + fp32 momentum read and write (8) + bf16 update
 #: write (2) + bf16 copy into the send buffer (2).

@@ -1,4 +1,13 @@
-"""The ``peers`` bench case: OverlapMuon side by side with torchtitan's ``DistMuon`` (FlexShard) in one run.
+"""Bench case ``peers``: OverlapMuon side by side with torchtitan's ``DistMuon`` (FlexShard) in one run.
+
+OverlapMuon side by side with torchtitan's ``DistMuon`` (FlexShard; optional, skipped with the install line when not
+importable; CPU patches and details below). Same model (d_model 256, 4 heads, per layer q, k, v, o, up, down), same
+DTensor shards, same gradients, interleaved. (a) the optimizer step alone (``overlap=False``), world 2, TP
+(``ColwiseParallel``/``RowwiseParallel``) and FSDP2 (``fully_shard``) layouts:
+``step_{tp,fsdp}_world2_overlap_muon_over_dist_muon``; (b) the whole training iteration (forward, backward, step)
+with OverlapMuon's overlap on, TP, world 1 and 2: ``iteration_world{1,2}_overlap_muon_over_dist_muon``. Each is our
+median time over DistMuon's (one bucket); < 1 means OverlapMuon is faster. The case fails if any result is not
+``torch.equal`` (to each other, and in (a) to ``torch.optim.Muon`` on the unsharded model).
 
 Both optimizers get the same model, the same DTensor shards and the same gradients; their steps are interleaved
 (A, B, A, B, ...; the order rotates each round) so drift in the machine's load hits both alike, and the results
@@ -42,10 +51,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .bench import _HP, _CaseResult, _max_over_ranks, _median, _ms, _Options, _ratio, _run_ranks, _timed_steps
-from ..optimizer import OverlapMuon
+from overlap_muon.optimizer import OverlapMuon
 
-__all__ = ["INSTALL_HINT", "import_dist_muon", "dist_muon_cpu_patches", "RATIO_KEYS", "case_peers"]
+from .common import _HP, _CaseResult, _max_over_ranks, _median, _ms, _Options, _ratio, _run_ranks, _timed_steps
+
+__all__ = ["INSTALL_HINT", "import_dist_muon", "dist_muon_cpu_patches", "RATIO_KEYS", "run"]
 
 #: How to install the peer (what the skip message says).
 INSTALL_HINT = "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && pip install tyro"
@@ -329,7 +339,7 @@ def _peers_iteration_rank(rank: int, world: int, d: int, layers: int, heads: int
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def case_peers(o: _Options) -> _CaseResult:
+def run(o: _Options) -> _CaseResult:
     """Run (a) and (b); see the module docstring. Skipped (every ratio ``None``) when DistMuon is not importable.
 
     Raises:

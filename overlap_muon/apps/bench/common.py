@@ -1,0 +1,249 @@
+"""What the bench cases share: options and results, timing helpers, the machine description, the gloo rank
+spawner, and the model pieces several cases build (plain TP shards of transformer layers, explicit domain groups).
+
+Every case module imports from here and from the library only, never from another case module or from the
+package's ``__init__`` (which imports the case modules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from overlap_muon.apps.spawn import spawn_ranks
+from overlap_muon.domain import block_shape
+
+#: Muon hyper-parameters of every case (``torch.optim.Muon``'s defaults except a visible learning rate).
+_HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+
+
+def _muon_2d(name: str, p: Tensor) -> bool:
+    """Muon filter of the benchmarks: every 2-D param (their models hold only Muon matrices)."""
+    return p.ndim == 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Options, results, timing helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Options:
+    quick: bool
+    """Small sizes and few repeats (the CI smoke run)."""
+    repeats: int | None
+    """Timed repeats per variant; ``None`` takes the case's default."""
+    baseline: bool
+    """Measure baselines (``--no-baseline`` turns them off, for profiling our path alone)."""
+    trace_dir: str
+    """Where traces, timelines and flame graphs go."""
+    timeout_s: float
+    """Hard wall-clock limit of one multi-rank spawn, seconds."""
+
+    def reps(self, quick: int, full: int) -> int:
+        return self.repeats if self.repeats is not None else (quick if self.quick else full)
+
+
+@dataclass
+class _CaseResult:
+    title: str
+    ratios: dict[str, float | None]
+    lines: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else math.nan
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:9.2f} ms"
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads (as a rank runs), restoring the count after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or not den or math.isnan(num) or math.isnan(den):
+        return None
+    return float(num) / float(den)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: CPU model (``/proc/cpuinfo``), cores, torch, Python, load."""
+    cpu, flags = None, ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() == "model name" and cpu is None:
+                    cpu = val.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = val
+    except OSError:
+        pass
+    cpu = cpu or platform.processor() or platform.machine()
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    simd = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {x} " in f" {flags} "]
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "cpu_model": cpu,
+        "cpu_simd": simd,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.is_available(),
+        "load_average_at_start": load,
+    }
+
+
+def _two_thread_speedup(seconds: float = 0.3) -> float:
+    """How many cores two compute threads get right now: work rate of two threads over one, in [0, 2] (2.0: two
+    idle cores).
+
+    Each thread runs 1-thread bf16 ``(256, 256)`` matmuls (torch releases the GIL inside them). Rounds of "one
+    thread, then two threads" alternate and the median round counts, so a change of the machine's load during
+    the check moves it little. On a shared machine other processes take cores, which is what the overlap case's
+    spare-core assumption depends on.
+    """
+    a = torch.randn(256, 256).bfloat16()
+
+    def work(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, a)
+
+    with _threads(1):
+        work(10)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 10:
+            work(10)
+            n += 10
+        rounds = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            work(n)
+            one = time.perf_counter() - t0
+            th = [threading.Thread(target=work, args=(n,)) for _ in range(2)]
+            t0 = time.perf_counter()
+            for x in th:
+                x.start()
+            for x in th:
+                x.join()
+            rounds.append(2 * one / (time.perf_counter() - t0))
+    return min(2.0, _median(rounds))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Spawning gloo ranks
+# ----------------------------------------------------------------------------------------------------------------
+
+# Spawned ranks unpickle their function by module path (``overlap_muon.apps.bench.<case>._x_rank``), so every
+# rank function is a module-level function of its case module. ``python -m overlap_muon.apps.bench`` runs the
+# package's ``__main__.py``, which multiprocessing does not re-run in a child (it skips ``*.__main__`` names), so a
+# rank never re-executes the driver.
+
+
+def _run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message), died, or the group ran past
+            ``timeout_s`` seconds (the ranks still alive are killed).
+    """
+    res = spawn_ranks(fn, world, *args, timeout=timeout_s, pg_timeout=max(10.0, timeout_s))
+    errors = [f"--- rank {r} ---\n{payload}" for r, (ok, payload) in enumerate(res) if not ok]
+    if errors:
+        raise RuntimeError(f"{fn.__name__} on {world} ranks failed:\n" + "\n".join(errors))
+    return [payload for _, payload in res]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared model pieces
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _transformer_layer(d: int, mlp: int = 4) -> list[tuple[str, tuple[int, int], int]]:
+    """``(name, full (P, Q), TP partition_dim)`` of one layer's Muon matrices (Megatron layout)."""
+    return [
+        ("q", (d, d), 0),
+        ("k", (d, d), 0),
+        ("v", (d, d), 0),
+        ("o", (d, d), 1),
+        ("up", (mlp * d, d), 0),
+        ("down", (d, mlp * d), 1),
+    ]
+
+
+def _shard_net(specs: Sequence[tuple[tuple[int, int], int | None]], R: int, T: int, g: int, t: int,
+               seed: int) -> nn.Module:
+    """A module holding one plain local shard per spec, with ``partition_dim``/``full_shape`` and a gradient set."""
+    gen = torch.Generator().manual_seed(seed)
+    net = nn.Module()
+    params = nn.ParameterList()
+    for full, pd in specs:
+        shape = block_shape(full, pd, R, T, g, t)
+        p = nn.Parameter(torch.randn(shape, generator=gen) / math.sqrt(full[1]))
+        p.partition_dim = pd
+        p.full_shape = full
+        p.grad = torch.randn(shape, generator=gen)
+        params.append(p)
+    net.params = params
+    return net
+
+
+def _domain_groups(R: int, T: int, g: int, t: int) -> tuple[Any, Any]:
+    """Explicit TP (ranks sharing ``g``) and remat (ranks sharing ``t``) groups; every rank creates all of them."""
+    tp = [dist.new_group([gg * T + tt for tt in range(T)]) for gg in range(R)] if T > 1 else None
+    rm = [dist.new_group([gg * T + tt for gg in range(R)]) for tt in range(T)] if R > 1 else None
+    return (tp[g] if tp else None), (rm[t] if rm else None)
+
+
+def _timed_steps(opts: dict[str, Any], warmup: int, repeats: int, barrier: bool) -> dict[str, list[float]]:
+    """Interleaved step timings, seconds: ``warmup`` untimed rounds, then ``repeats`` rounds over every optimizer
+    (the order rotates each round)."""
+    names = list(opts)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        rot = names[r % len(names):] + names[: r % len(names)]
+        for n in rot:
+            if barrier:
+                dist.barrier()
+            t0 = time.perf_counter()
+            opts[n].step()
+            dt = time.perf_counter() - t0
+            if r >= warmup:
+                out[n].append(dt)
+    return out
+
+
+def _max_over_ranks(per_rank: list[list[float]]) -> list[float]:
+    """Per repeat, the slowest rank's time (a collective step ends when its last rank ends)."""
+    return [max(xs) for xs in zip(*per_rank)]

@@ -1,0 +1,486 @@
+"""Bench case ``overlap``: how much of the optimizer's time the overlap hides in a training step.
+
+A training step (forward, backward, optimizer) of a transformer-like residual stack (per block an
+attention-like pair ``(d, d)``, ``(d, d)`` and an MLP ``(4d, d)``, ``(d, 4d)``, RMS-normed, Megatron TP
+over the ranks) with ``overlap=True`` (``t_on``: the default step, which returns once its updates have
+landed), ``overlap=True, async_step=True`` (``t_async``: the next forward waits per module instead),
+``overlap=False`` (``t_off``) and no optimizer (``t_none``). ``exposed_fraction_world{1,2}`` =
+``(t_on - t_none) / (t_off - t_none)``: the part of the optimizer's time that the overlap fails to hide (0 all
+hidden, 1 nothing hidden); ``async_exposed_fraction_world{1,2}`` the same for ``t_async``, and
+``async_over_default_iteration_world{1,2}`` = ``t_async / t_on`` (below 1: what the step barrier costs). World 1 has the NS lane
+on the spare core; at world 2 both cores run ranks, so the lanes compete with the training step. The
+variants run in interleaved rounds of a few iterations each; a round's time includes ``synchronize()`` at its
+end, so every launched wave is paid for.
+``llama_exposed_fraction_world1``: the same at world 1 on a Llama-shaped stack (:class:`_LlamaStack`: d_model
+256, GQA with 4 query and 2 KV heads of 64, SwiGLU MLP 688; 6 layers, 42 matrices of 5 shapes), whose many
+small same-shape matrices show how waves batch (its NS calls per step are reported beside it).
+``sim_exposed_fraction_world{1,2}``: :func:`overlap_muon.apps.simulate.simulate` fed the per-phase figures measured
+in the same rounds (per-layer forward / backward times, unbatched NS FLOP/s) and after them (all_to_all
+bandwidth and latency, elementwise bandwidth), reported as ``exposed_overlap_s / exposed_no_overlap_s`` (the
+same definition). Its ``ns_interference`` comes from how many cores two compute threads get just before the
+case (:func:`_two_thread_speedup`; the machine may be shared). A full run also records a ``torch.profiler``
+trace of the world-1 overlapped step and draws it with :func:`overlap_muon.apps.timeline.draw_timeline`
+(``traces/bench_overlap_w1_*``): the waits it shows are the part of the exposed time spent blocked on waves.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from overlap_muon.domain import block_shape
+from overlap_muon.ns import zeropower
+from overlap_muon.optimizer import OverlapMuon
+from overlap_muon.scheduler import ns_flops
+
+from .common import (_HP, _CaseResult, _max_over_ranks, _median, _ms, _muon_2d, _Options, _ratio, _run_ranks,
+                     _two_thread_speedup)
+
+#: The keys of the case's ``ratios`` in the JSON.
+RATIO_KEYS: tuple[str, ...] = tuple(
+    f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_", "async_")) + tuple(
+    f"async_over_default_iteration_world{w}" for w in (1, 2)) + (
+    "exposed_fraction_max_grad_norm_world1", "exposed_fraction_user_clip_world1", "llama_exposed_fraction_world1")
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, all-reduce of the input gradient over the TP group backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce of the partial output forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _ShardLinear(nn.Module):
+    """``y = x @ W_local.T`` of a plain TP shard (colwise: rows of ``W``; rowwise: columns, partial output)."""
+
+    def __init__(self, full: tuple[int, int], pd: int, T: int, t: int, gen: torch.Generator) -> None:
+        super().__init__()
+        w = torch.randn(full, generator=gen) / math.sqrt(full[1])
+        rows, cols = block_shape(full, pd, 1, T, 0, t)
+        block = w[t * rows:(t + 1) * rows] if pd == 0 else w[:, t * cols:(t + 1) * cols]
+        self.weight = nn.Parameter(block.clone())
+        self.weight.partition_dim = pd
+        self.weight.full_shape = full
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class _TPBlock(nn.Module):
+    """A residual block: an attention-like pair ``(d, d)`` colwise + ``(d, d)`` rowwise, then an MLP ``(4d, d)``
+    colwise + ``(d, 4d)`` rowwise, each behind an RMS norm; activations ``(N, d)`` are replicated over TP."""
+
+    def __init__(self, d: int, T: int, t: int, group: Any, gen: torch.Generator) -> None:
+        super().__init__()
+        self.d, self.group = d, group
+        self.a = _ShardLinear((d, d), 0, T, t, gen)
+        self.b = _ShardLinear((d, d), 1, T, t, gen)
+        self.up = _ShardLinear((4 * d, d), 0, T, t, gen)
+        self.down = _ShardLinear((d, 4 * d), 1, T, t, gen)
+
+    def _f(self, x: Tensor) -> Tensor:
+        return x if self.group is None else _CopyToTP.apply(x, self.group)
+
+    def _g(self, x: Tensor) -> Tensor:
+        return x if self.group is None else _ReduceFromTP.apply(x, self.group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(self._f(F.rms_norm(x, (self.d,))))
+        x = x + self._g(self.b(F.gelu(h)))
+        h = self.up(self._f(F.rms_norm(x, (self.d,))))
+        return x + self._g(self.down(F.gelu(h)))
+
+    @staticmethod
+    def shapes(d: int) -> list[tuple[int, int]]:
+        return [(d, d), (d, d), (4 * d, d), (d, 4 * d)]
+
+
+def _tp_stack(d: int, blocks: int, T: int, t: int, group: Any) -> nn.Sequential:
+    gen = torch.Generator().manual_seed(11)  # the same full weights on every rank and in every variant
+    return nn.Sequential(*[_TPBlock(d, T, t, group, gen) for _ in range(blocks)])
+
+
+def _ns_sample(shapes: dict[tuple[int, int], int]) -> float:
+    """Seconds of one unbatched NS of every matrix (``{full shape: count}``), as an overlapped wave runs them."""
+    total = 0.0
+    for full, count in shapes.items():
+        x = torch.randn(full).bfloat16()
+        t0 = time.perf_counter()
+        zeropower(x)
+        total += count * (time.perf_counter() - t0)
+    return total
+
+
+def _link_figures(elems: int, wave_bytes: int, world: int, group: Any, repeats: int) -> dict[str, float]:
+    """Elementwise B/s (momentum ``lerp_`` over ``elems`` fp32 elements: 12 B each) and, for ``world > 1``, the
+    all_to_all bandwidth (B/s leaving a rank, for ``wave_bytes`` per rank) and latency (s, a ``world``-byte one)."""
+    buf, grad = torch.zeros(elems), torch.randn(elems)
+    ts = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        buf.lerp_(grad, 0.05)
+        ts.append(time.perf_counter() - t0)
+    out = {"elementwise_bytes_per_s": 12 * elems / _median(ts[1:]), "link_bytes_per_s": 1e12,
+           "collective_latency_s": 0.0}
+    if world > 1:
+        nbytes = wave_bytes - wave_bytes % world
+        send, recv = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        tiny_s, tiny_r = torch.empty(world, dtype=torch.uint8), torch.empty(world, dtype=torch.uint8)
+        big, small = [], []
+        for _ in range(repeats + 1):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv, send, group=group)
+            t1 = time.perf_counter()
+            dist.all_to_all_single(tiny_r, tiny_s, group=group)
+            t2 = time.perf_counter()
+            big.append(t1 - t0)
+            small.append(t2 - t1)
+        lat = _median(small[1:])
+        out["collective_latency_s"] = lat
+        out["link_bytes_per_s"] = (nbytes * (1 - 1 / world)) / max(1e-9, _median(big[1:]) - lat)
+    return out
+
+
+#: A clipping bound every gradient norm of the overlap case exceeds, so clipping bites on every step.
+_TINY_NORM = 1e-3
+
+
+def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds: int, chunk: int,
+                  trace_path: str | None) -> dict[str, Any]:
+    """Interleaved rounds of ``chunk`` iterations per variant (none / off / on) plus one NS sample per round, so
+    the per-phase figures the simulator gets see the same machine load as the step times."""
+    T, t = world, rank
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(5))
+    variants: dict[str, tuple[nn.Module, OverlapMuon | None]] = {}
+    # on_clip: max_grad_norm biting every step (world 1: plain TP shards cannot be clipped by the runtime);
+    # on_user_clip: torch's clip_grad_norm_ between backward and step(), biting: every wave re-runs in step().
+    # async: async_step=True (step() returns before the updates land; the next forward waits per module).
+    names = ("none", "off", "on", "async") + (("on_clip", "on_user_clip") if world == 1 else ())
+    for name in names:
+        net = _tp_stack(d, blocks, T, t, group)
+        opt = None
+        if name != "none":
+            opt = OverlapMuon(net, tp_group=group, overlap=(name != "off"), muon_filter=_muon_2d,
+                              max_grad_norm=_TINY_NORM if name == "on_clip" else None,
+                              async_step=name == "async", **_HP)
+        variants[name] = (net, opt)
+    fwd_bwd: dict[str, list[float]] = {"forward": [], "backward": []}
+
+    def iteration(name: str, record: bool) -> None:
+        net, opt = variants[name]
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("## forward ##"):
+            loss = net(x).pow(2).mean()
+        t1 = time.perf_counter()
+        with torch.profiler.record_function("## backward ##"):
+            loss.backward()
+        t2 = time.perf_counter()
+        with torch.profiler.record_function("## optimizer ##"):
+            if name == "on_user_clip":
+                torch.nn.utils.clip_grad_norm_(net.parameters(), _TINY_NORM)
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            else:
+                net.zero_grad()
+        if record and name == "none":
+            fwd_bwd["forward"].append(t1 - t0)
+            fwd_bwd["backward"].append(t2 - t1)
+
+    def run_chunk(name: str, record: bool) -> float:
+        """Seconds per iteration over ``chunk`` iterations, every launched wave applied at the end."""
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(chunk):
+            iteration(name, record)
+        opt = variants[name][1]
+        if opt is not None:
+            opt.synchronize()
+        return (time.perf_counter() - t0) / chunk
+
+    shapes: dict[tuple[int, int], int] = {}
+    for p in variants["none"][0].parameters():
+        shapes[tuple(p.full_shape)] = shapes.get(tuple(p.full_shape), 0) + 1
+    names = list(variants) + ["ns"]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for n in names[:-1]:  # warm-up chunk
+        run_chunk(n, False)
+    _ns_sample(shapes)
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            times[n].append(run_chunk(n, True) if n != "ns" else _ns_sample(shapes))
+    ns_time = times.pop("ns")
+    flops = sum(c * ns_flops(s) for s, c in shapes.items())
+    local = [p for p in variants["none"][0].parameters()]
+    elems = sum(p.numel() for p in local)
+    out: dict[str, Any] = {"times": times, "forward_s": _median(fwd_bwd["forward"]),
+                           "backward_s": _median(fwd_bwd["backward"]), "ns_flops_per_s": flops / _median(ns_time)}
+    # One wave's exchange: the bf16 shards of one block's matrices.
+    out.update(_link_figures(elems, 2 * elems // blocks, world, group, repeats=3))
+    if trace_path is not None and rank == 0:
+        out["trace"] = _profile_overlap(iteration, variants["on"][1], trace_path)
+    for _, opt in variants.values():
+        if opt is not None:
+            opt.close()
+    return out
+
+
+def _profile_overlap(iteration: Callable[[str, bool], None], opt: OverlapMuon | None, path: str) -> str | None:
+    """Record a ``torch.profiler`` Chrome trace (all threads) of 3 overlapped iterations after 1 warm-up, with a
+    ``ProfilerStep#N`` range per iteration; return the path, or None if profiling failed."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            schedule=torch.profiler.schedule(wait=0, warmup=1, active=3, repeat=1),
+            on_trace_ready=lambda prof: prof.export_chrome_trace(path),
+            experimental_config=_ExperimentalConfig(profile_all_threads=True),
+        ) as prof:
+            for _ in range(4):
+                iteration("on", False)
+                prof.step()
+        if opt is not None:
+            opt.synchronize()
+        return path if os.path.exists(path) else None
+    except Exception:  # noqa: BLE001 - the trace is an extra; the measurement stands without it
+        return None
+
+
+def _simulate_exposed(d: int, blocks: int, world: int, r: dict[str, Any], speedup: float) -> dict[str, Any] | None:
+    """The simulator's exposed fraction for the measured figures of rank 0 (None without overlap_muon.apps.simulate).
+
+    ``speedup`` is :func:`_two_thread_speedup`, measured just before: at world 1 the NS lane and the training step
+    are two threads, each slowed to ``speedup / 2`` of its speed while both run, i.e. ``ns_interference =
+    2 / speedup - 1`` (0 on two idle cores). At world 2 every core already runs a rank, so the lanes share a
+    rank's core with its training step: ``ns_interference = 1``.
+    """
+    try:
+        from overlap_muon.apps.simulate import SimConfig, simulate
+    except ImportError:
+        return None
+    cfg = SimConfig.from_measured(
+        layer_shapes=[_TPBlock.shapes(d)] * blocks,
+        layer_forward_s=[r["forward_s"] / blocks] * blocks,
+        layer_backward_s=[r["backward_s"] / blocks] * blocks,
+        ns_flops_per_s=r["ns_flops_per_s"],
+        link_bytes_per_s=r["link_bytes_per_s"],
+        tp_size=world,
+        remat_size=1,
+        collective_latency_s=r["collective_latency_s"],
+        elementwise_bytes_per_s=r["elementwise_bytes_per_s"],
+        # [Note: what the model assumes] item 8: contention between NS and the training step.
+        ns_interference=min(1.0, max(0.0, 2.0 / speedup - 1.0)) if world == 1 else 1.0,
+    )
+    s = simulate(cfg)
+    return {
+        "exposed_fraction": _ratio(s.exposed_overlap_s, s.exposed_no_overlap_s),
+        "exposed_overlap_s": s.exposed_overlap_s,
+        "exposed_no_overlap_s": s.exposed_no_overlap_s,
+        "ns_interference": cfg.ns_interference,
+        "waves": s.num_waves,
+    }
+
+
+class _LlamaStack(nn.Module):
+    """A Llama-shaped decoder stack at small scale: per layer RMS norm, causal GQA attention (q ``(256, d)``, k and
+    v ``(128, d)``: 4 query heads and 2 KV heads of 64; o ``(d, 256)``), RMS norm, SwiGLU MLP (gate and up
+    ``(688, d)``, down ``(d, 688)``); no biases, no norm weights (every param a Muon matrix). Input/output
+    ``(B, S, d)`` float32."""
+
+    def __init__(self, layers: int, d: int = 256) -> None:
+        super().__init__()
+        self.d = d
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            m = nn.Module()
+            m.q, m.k, m.v = nn.Linear(d, 256, bias=False), nn.Linear(d, 128, bias=False), nn.Linear(d, 128, bias=False)
+            m.o = nn.Linear(256, d, bias=False)
+            m.gate, m.up = nn.Linear(d, 688, bias=False), nn.Linear(d, 688, bias=False)
+            m.down = nn.Linear(688, d, bias=False)
+            self.layers.append(m)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        for m in self.layers:
+            h = F.rms_norm(x, (self.d,))
+            q = m.q(h).view(B, S, 4, 64).transpose(1, 2)
+            k = m.k(h).view(B, S, 2, 64).transpose(1, 2)
+            v = m.v(h).view(B, S, 2, 64).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + m.o(a.transpose(1, 2).reshape(B, S, 256))
+            h = F.rms_norm(x, (self.d,))
+            x = x + m.down(F.silu(m.gate(h)) * m.up(h))
+        return x
+
+
+def _overlap_llama_rank(rank: int, world: int, layers: int, batch: int, seq: int, rounds: int,
+                        chunk: int) -> dict[str, Any]:
+    """Interleaved rounds of ``chunk`` training iterations of :class:`_LlamaStack` with no optimizer, overlap off
+    and overlap on (each round ends with ``synchronize()``); seconds per iteration and NS calls per step."""
+    x = torch.randn(batch, seq, 256, generator=torch.Generator().manual_seed(5))
+    variants: dict[str, tuple[nn.Module, OverlapMuon | None]] = {}
+    for name in ("none", "off", "on"):
+        with torch.random.fork_rng():
+            torch.manual_seed(12)
+            net = _LlamaStack(layers)
+        opt = None if name == "none" else OverlapMuon(net, overlap=(name == "on"), **_HP)
+        variants[name] = (net, opt)
+
+    def run_chunk(name: str) -> float:
+        net, opt = variants[name]
+        t0 = time.perf_counter()
+        for _ in range(chunk):
+            net(x).pow(2).mean().backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            else:
+                net.zero_grad()
+        if opt is not None:
+            opt.synchronize()
+        return (time.perf_counter() - t0) / chunk
+
+    names = list(variants)
+    for n in names:
+        run_chunk(n)
+    steps0 = {n: (o.stats["ns_calls"], o.stats["steps"]) for n, (_, o) in variants.items() if o is not None}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % 3:] + names[: r % 3]:
+            times[n].append(run_chunk(n))
+    ns_calls = {n: (o.stats["ns_calls"] - steps0[n][0]) / max(1, o.stats["steps"] - steps0[n][1])
+                for n, (_, o) in variants.items() if o is not None}
+    waves = {n: len(o.waves) for n, (_, o) in variants.items() if o is not None}
+    for _, o in variants.values():
+        if o is not None:
+            o.close()
+    return {"times": times, "ns_calls_per_step": ns_calls, "waves": waves,
+            "matrices": sum(1 for _ in variants["none"][0].parameters())}
+
+
+def run(o: _Options) -> _CaseResult:
+    d = 256
+    blocks, tokens = (2, 512) if o.quick else (6, 1024)
+    rounds, chunk = o.reps(3, 5), (2 if o.quick else 3)
+    ratios: dict[str, float | None] = {}
+    lines, det = [], {"d_model": d, "blocks": blocks, "tokens": tokens, "rounds": rounds, "iters_per_chunk": chunk,
+                      "matrices": 4 * blocks}
+    for world in (1, 2):
+        trace = None
+        if not o.quick and world == 1:
+            trace = os.path.abspath(os.path.join(o.trace_dir, "bench_overlap_w1_trace.json"))
+        speedup = _two_thread_speedup()
+        res = _run_ranks(_overlap_rank, world, d, blocks, tokens, rounds, chunk, trace, timeout_s=o.timeout_s)
+        med = {n: _median(_max_over_ranks([r["times"][n] for r in res])) for n in res[0]["times"]}
+        frac = _ratio(med["on"] - med["none"], med["off"] - med["none"])
+        async_frac = _ratio(med["async"] - med["none"], med["off"] - med["none"])
+        ratios[f"async_exposed_fraction_world{world}"] = async_frac
+        ratios[f"async_over_default_iteration_world{world}"] = _ratio(med["async"], med["on"])
+        clip_lines = []
+        for v, key in (("on_clip", "max_grad_norm"), ("on_user_clip", "user_clip")):
+            if v in med:
+                ratios[f"exposed_fraction_{key}_world{world}"] = _ratio(med[v] - med["none"], med["off"] - med["none"])
+                clip_lines.append(f"         {key} biting every step: {_ms(med[v]).strip()} -> exposed fraction "
+                                  f"{ratios[f'exposed_fraction_{key}_world{world}']:.3f}")
+        sim = _simulate_exposed(d, blocks, world, res[0], speedup)
+        sim_frac = sim["exposed_fraction"] if sim else None
+        ratios[f"exposed_fraction_world{world}"] = frac
+        ratios[f"sim_exposed_fraction_world{world}"] = sim_frac
+        entry = {"median_s": med, "two_thread_speedup": speedup,
+                 "measured": {k: v for k, v in res[0].items() if k not in ("times", "trace")},
+                 "simulated": sim, "samples_s": {n: _max_over_ranks([r["times"][n] for r in res]) for n in med}}
+        lines.append(f"world {world}: none {_ms(med['none'])}  off {_ms(med['off'])}  on {_ms(med['on'])}  "
+                     f"async_step {_ms(med['async'])}  -> optimizer {_ms(med['off'] - med['none']).strip()}, "
+                     f"exposed with overlap {_ms(med['on'] - med['none']).strip()} (default step) / "
+                     f"{_ms(med['async'] - med['none']).strip()} (async_step)  (two threads got {speedup:.2f} cores)")
+        lines.append(f"         exposed fraction: default {'-' if frac is None else format(frac, '.3f')}, async_step "
+                     f"{'-' if async_frac is None else format(async_frac, '.3f')}; iteration async_step / default "
+                     f"{'-' if async_frac is None else format(med['async'] / med['on'], '.3f')}")
+        if sim_frac is not None and frac is not None:
+            lines.append(f"         exposed fraction measured {frac:.3f}, simulator {sim_frac:.3f} "
+                         f"(difference {sim_frac - frac:+.3f}; simulated optimizer "
+                         f"{_ms(sim['exposed_no_overlap_s']).strip()} vs measured "
+                         f"{_ms(med['off'] - med['none']).strip()})")
+        else:
+            lines.append(f"         exposed fraction measured {frac if frac is None else round(frac, 3)}; "
+                         "simulator unavailable")
+        lines += clip_lines
+        if res[0].get("trace"):
+            entry["trace"] = res[0]["trace"]
+            entry["timeline"] = _draw(res[0]["trace"], os.path.join(o.trace_dir, "bench_overlap_w1_timeline.png"))
+            tl = entry["timeline"]
+            if tl and "mean_exposed_ms" in tl:
+                lines.append(f"         timeline {tl['png']}: the main thread waits for waves / runs step() "
+                             f"{tl['mean_exposed_ms']:.1f} ms per step ({tl['mean_exposed_fraction']:.3f} of the "
+                             f"step); the rest of the exposed time is the lanes slowing forward/backward")
+        det[f"world{world}"] = entry
+    # The Llama-shaped stack at world 1 (many small same-shape matrices: what wave batching is about).
+    llama_layers = 2 if o.quick else 6
+    res = _run_ranks(_overlap_llama_rank, 1, llama_layers, 4, 128 if o.quick else 256, rounds, chunk,
+                     timeout_s=o.timeout_s)
+    med = {n: _median(res[0]["times"][n]) for n in ("none", "off", "on")}
+    frac = _ratio(med["on"] - med["none"], med["off"] - med["none"])
+    ratios["llama_exposed_fraction_world1"] = frac
+    det["llama_world1"] = {"layers": llama_layers, "matrices": res[0]["matrices"], "median_s": med,
+                           "ns_calls_per_step": res[0]["ns_calls_per_step"], "waves": res[0]["waves"],
+                           "samples_s": res[0]["times"]}
+    calls = res[0]["ns_calls_per_step"]
+    lines.append(f"llama world 1 ({llama_layers} layers, {res[0]['matrices']} matrices): none {_ms(med['none'])}  "
+                 f"off {_ms(med['off'])}  on {_ms(med['on'])}  -> exposed fraction "
+                 f"{'-' if frac is None else format(frac, '.3f')}; NS calls per step on {calls['on']:g} "
+                 f"({res[0]['waves']['on']} waves), off {calls['off']:g}")
+    return _CaseResult(
+        f"training step with overlap on / off / no optimizer: {blocks} blocks d {d} ({4 * blocks} matrices), "
+        f"{tokens} tokens",
+        ratios, lines, det,
+    )
+
+
+def _draw(trace: str, png: str) -> dict[str, Any] | None:
+    try:
+        from overlap_muon.apps.timeline import draw_timeline
+    except ImportError:
+        return None
+    try:
+        s = draw_timeline(trace, png)
+    except Exception as e:  # noqa: BLE001 - the picture is an extra
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"png": png, "lanes": list(s.lanes), "mean_exposed_fraction": s.mean_exposed_fraction,
+            "mean_exposed_ms": s.mean_exposed_ms, "warnings": list(s.warnings),
+            "exposed_ms": list(s.exposed_ms), "step_ms": list(s.step_ms)}

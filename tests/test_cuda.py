@@ -152,7 +152,7 @@ def test_fsdp2_overlap_step_has_no_host_sync():
 
 def _fsdp_race(rank, world, patch_streams):
     import overlap_muon.hooks.forward_wait as fw
-    import overlap_muon.optimizer as om
+    import overlap_muon.forward_waits as om
     
     if patch_streams:  # the defect: only the current stream waits, FSDP2's copy-in stream does not
         om.fsdp_param_streams = lambda module: []

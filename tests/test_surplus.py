@@ -278,7 +278,7 @@ def _team_body(rank, world, R, T, surplus, shapes=_TEAM_SHAPES):
         opt.zero_grad()
     opt.synchronize()
     out = [p.detach().clone() for p in net.parameters()]
-    wave_of = opt._wave_of
+    wave_of = opt._index.wave_of
     teamed = sorted(k for k in range(len(shapes)) if wave_of[k] in _waves_of_kind(opt, "team"))
     gathered = sorted(k for k in range(len(shapes)) if wave_of[k] in _waves_of_kind(opt, "gathered", "team"))
     opt.close()
@@ -399,7 +399,7 @@ def _fallback_body(rank, world, surplus):
     opt.synchronize()
     out = [p.detach().clone() for p in (net.conv.weight, net.qkv.weight)]
     mi = {m.name: k for k, m in enumerate(opt._muon)}
-    waves = [opt._wave_of[mi["conv.weight"]], opt._wave_of[mi["qkv.weight"]]]
+    waves = [opt._index.wave_of[mi["conv.weight"]], opt._index.wave_of[mi["qkv.weight"]]]
     teamed = [k for k, w in enumerate(waves) if w in _waves_of_kind(opt, "team")]
     gathered = [k for k, w in enumerate(waves) if w in _waves_of_kind(opt, "gathered", "team")]
     opt.close()

@@ -1,0 +1,235 @@
+"""Building an ``OverlapMuon``, top to bottom: sort the params, place the Muon matrices in their domain, check
+everything on every rank, make the runtime's groups, plan the waves.
+
+Every function here runs once, at construction. Errors are raised on every rank before any collective of the
+runtime ([Note: what is checked where] below); the only collectives are the checks' own (``checks.py``) and the
+group creation (``comm.py``).
+
+[Note: what is checked where] The mesh or groups are checked first: every per-param check would be meaningless
+without a domain. Then each param's placement and shape (``placement.py``), the expert layout, the options (the
+ranks must agree on them), the ``split`` patterns, ``max_grad_norm``'s needs and the AdamW groups; all errors of a
+rank are gathered and raised together, on every rank (``checks.raise_everywhere``). The wave plan is compared across
+ranks after it is made (``checks.check_plan_everywhere``).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .checks import differs_across_ranks, option_errors, raise_everywhere
+from .comm import CommContext, build_comm
+from .config import OverlapMuonConfig
+from .discovery import discover_expert_layouts, discover_layouts, mesh_dims, my_coords
+from .domain import MuonParam
+from .placement import place_params
+from .scheduler import ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
+from .scheduler.kinds import WavePlan, plan_kinds
+from .scheduler.surplus import CPU_GLOO
+from .scheduler.waves import Wave
+from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
+
+__all__ = ["Placement", "unwrap", "place", "make_groups", "plan", "ns_costs", "fsdp_roots"]
+
+logger = logging.getLogger("overlap_muon")
+
+try:
+    from torch.distributed.tensor import DTensor
+except Exception:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment]
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except Exception:  # pragma: no cover
+    FSDPModule = ()  # type: ignore[assignment]
+
+
+@dataclass
+class Placement:
+    """The params, sorted and placed (the first half of construction)."""
+
+    muon: list[MuonParam]
+    """The Muon matrices (a grouped expert weight is one per expert)."""
+    adamw_groups: list[dict[str, Any]]
+    """The AdamW param groups (``sorting.adamw_param_groups``)."""
+    layouts: list[list[list[int]]] | None
+    """Every dense domain's ``layout[g][t] = global rank`` (``None``: one process or no domain)."""
+    elayouts: list[list[list[int]]] | None
+    """The same for the expert domains."""
+    has_experts: bool
+
+
+def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """``(the module whose params are optimized, the DDP wrapper or None)``; a ``torch.compile`` wrapper is looked
+    through.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"OverlapMuon expects an nn.Module, got {type(model).__name__}")
+    ddp = model if isinstance(model, DistributedDataParallel) else None
+    model = ddp.module if ddp is not None else model
+    return (getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model), ddp
+
+
+def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter: Callable | None, experts: Any,
+          split: Any, max_grad_norm: float | None, adamw_groups: Any, mesh: dict[str, Any]) -> Placement:
+    """Sort the params into Muon and AdamW, place the Muon matrices in their domain, check everything on every rank
+    ([Note: what is checked where]); rank 0 logs the split.
+
+    ``mesh``: ``device_mesh``, ``remat_dim``, ``tp_dim``, ``tp_group``, ``remat_group``, ``expert_mesh``,
+    ``ep_dim``, ``etp_dim``, ``etp_group`` as the constructor got them.
+
+    Raises:
+        ValueError / TypeError: as ``OverlapMuon`` documents, on every rank.
+    """
+    m = mesh
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    muon_named, adamw_named, expert_ids, errors = sort_params(model, muon_filter, experts)
+    layouts, mesh_err = discover_layouts(m["device_mesh"], m["tp_group"], m["remat_group"], m["remat_dim"], m["tp_dim"])
+    elayouts, emesh_err = discover_expert_layouts(m["expert_mesh"], m["etp_group"], m["ep_dim"], m["etp_dim"])
+    raise_everywhere([e for e in (mesh_err, emesh_err) if e])
+    R, T, g, t = my_coords(layouts, rank)
+    _, ET, _, et = my_coords(elayouts, rank)
+    dims = mesh_dims(m["device_mesh"], m["remat_dim"], m["tp_dim"])[0] if m["device_mesh"] is not None else None
+    muon, described = place_params(muon_named, expert_ids, conv1d_weights(model), split,
+                                   (m["device_mesh"], dims, R, T, g, t), (m["expert_mesh"], m["ep_dim"], m["etp_dim"], ET, et))
+    expert_layout = m["expert_mesh"] is not None or m["etp_group"] is not None
+    _warn_layout(rank, multi, experts, adamw_named, muon_named, expert_ids, expert_layout, layouts)
+    errors += described + _layout_errors(muon_named, expert_ids, expert_layout) + option_errors(config)
+    errors += _split_errors(split, muon)
+    if max_grad_norm is not None and (R * T > 1 or multi and expert_ids) and any(
+            not isinstance(x.param, DTensor) for x in muon):
+        errors.append("max_grad_norm needs DTensor params on a multi-rank domain (a plain shard's norm cannot "
+                      "be reduced without knowing which peers hold copies); clip the gradients yourself")
+    all_named = dict(model.named_parameters(remove_duplicate=False))
+    try:
+        groups = adamw_param_groups(adamw_named, adamw_groups, {n for n, _ in muon_named}, all_named)
+    except ValueError as e:
+        errors.append(str(e))
+        groups = []
+    raise_everywhere(errors)
+    if rank == 0:
+        _log_split(muon, groups, all_named)
+    return Placement(muon, groups, layouts, elayouts, bool(expert_ids))
+
+
+def _warn_layout(rank: int, multi: bool, experts: Any, adamw_named: list, muon_named: list, expert_ids: set[int],
+                 expert_layout: bool, layouts: Any) -> None:
+    """Rank 0's warnings about layouts that work but are likely not what the user meant."""
+    if rank != 0:
+        return
+    left = [n for n, p in adamw_named if p.ndim == 3]
+    if experts is not None and left:
+        warnings.warn(f"OverlapMuon: experts= is given but the 3-D params {left[:8]} are not selected; they go to "
+                      "AdamW. Widen the pattern if they are grouped expert weights.", stacklevel=4)
+    if multi and any(getattr(p, "partition_dim", None) is not None and not isinstance(p, DTensor)
+                     and not (expert_layout if id(p) in expert_ids else layouts) for _, p in muon_named):
+        warnings.warn(
+            "OverlapMuon: some plain Muon params carry a partition_dim but their domain has no TP/ETP group "
+            "(no tp_group/device_mesh, or no etp_group/expert_mesh for experts): each rank orthogonalizes its "
+            "tensor as a whole matrix. If they are shards of larger matrices, pass the group.", stacklevel=4)
+
+
+def _split_errors(split: Any, muon: list[MuonParam]) -> list[str]:
+    if not isinstance(split, dict):
+        return []
+    unused = [k for k in split if not any(name_matches(m.name, k) for m in muon)]
+    return [f"split patterns {unused} match no Muon param (Muon params: {[m.name for m in muon][:8]}"
+            f"{' ...' if len(muon) > 8 else ''})"] if unused else []
+
+
+def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], expert_layout: bool) -> list[str]:
+    """Collective: an expert layout given with no expert param selected, or expert counts that differ by rank
+    (which would otherwise surface as a plan mismatch naming an unrelated param)."""
+    errors = ["expert_mesh/etp_group given but experts= selects no Muon param"] if expert_layout and not expert_ids else []
+    held = [(n, int(p.shape[0]) if p.ndim == 3 else 1) for n, p in muon_named if id(p) in expert_ids]
+    per_rank = differs_across_ranks(held)  # on every rank, whatever it holds
+    if per_rank is not None:
+        errors.append(f"the ranks hold different expert params (name, experts held) -- "
+                      f"{'; '.join(f'rank {r}: {h}' for r, h in enumerate(per_rank))[:600]}; every EP rank must hold "
+                      "the same expert params with the same number of experts")
+    return errors
+
+
+def _log_split(muon: list[MuonParam], adamw_groups: list[dict[str, Any]], named: dict[str, Tensor]) -> None:
+    """Rank 0, at construction: which params went to Muon and which to AdamW (a table, then one summary line)."""
+    names: dict[int, str] = {}
+    for n, p in named.items():  # a tied param: its first name, then "= alias"
+        names[id(p)] = f"{names[id(p)]} = {n}" if id(p) in names else n
+    mu = [(m.name, m.full_shape, m.transposed) for m in muon]
+    aw = [(names.get(id(p), "?"), tuple(p.shape), gi) for gi, grp in enumerate(adamw_groups) for p in grp["params"]]
+    nb = (sum(m.full_shape[0] * m.full_shape[1] * m.param.element_size() for m in muon),
+          sum(p.numel() * p.element_size() for grp in adamw_groups for p in grp["params"]))
+    table, summary = split_table(mu, aw, nb)
+    logger.info("%s", table)
+    logger.info("%s", summary)
+
+
+def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommContext:
+    """Every process group of the runtime (``comm.build_comm``; collective over the default group)."""
+    distributed = p.layouts is not None and dist.get_world_size() > 1
+    dp_on = distributed and len(p.layouts) > 1 and config.dp_slots and config.mode == "layer_sharded"
+    if dp_on and config.surplus != "idle":
+        warnings.warn(f"OverlapMuon: surplus={config.surplus!r} is not combined with DP slots yet; the waves "
+                      "run as surplus='idle' (the replicas still share the NS work)", stacklevel=3)
+    return build_comm(p.layouts, p.elayouts, rank, timeout_s=config.pg_timeout_s, dp_slots=dp_on,
+                      team=not dp_on and config.surplus in ("team", "auto"), experts=p.has_experts)
+
+
+def ns_costs(muon: list[MuonParam], ns_steps: int) -> list[float]:
+    """NS FLOPs of each Muon matrix (a split one: the sum of its parts'), the planner's cost."""
+    return [float(sum(ns_flops((len(r), m.ns_shape[1]), ns_steps) for r in m.parts) if m.parts
+                  else ns_flops(m.ns_shape, ns_steps)) for m in muon]
+
+
+def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: OverlapMuonConfig,
+         sizes: tuple[int, int], dp_size: int, cuda: bool) -> tuple[list[Wave], list[WavePlan]]:
+    """The waves (in launch order) and their frozen plans.
+
+    Args:
+        order: Muon indices in gradient-ready order.
+        sizes: ``(dense, expert)`` domain sizes.
+        dp_size: replicas sharing the dense domain's NS work (1: none).
+        cuda: the lanes run on CUDA (the surplus plan uses H200-class figures, else ``CPU_GLOO``'s).
+    """
+    cfg = config
+
+    def one(sub_order: list[int], members: list[int], d: int) -> list[Wave]:
+        size = sizes[1] if d else sizes[0] * dp_size
+        cs = [costs[i] for i in members]
+        if cfg.overlap and cfg.wave_slots is None and cfg.wave_plan == "cost":
+            return plan_waves_by_cost(sub_order, cs, [muon[i].full_shape for i in members], size, balance=cfg.balance)
+        slots = cfg.wave_slots or (size if cfg.overlap else len(members))
+        return plan_waves(sub_order, cs, size, wave_slots=slots, balance=cfg.balance, taper=cfg.overlap)
+
+    waves = plan_by_domain(order, [m.domain for m in muon], one)
+    plans = plan_kinds(waves, [m.full_shape for m in muon], list(sizes), mode=cfg.mode, surplus=cfg.surplus,
+                       fused=cfg.fused_a2a, dp_size=dp_size, cost_model=None if cuda else CPU_GLOO,
+                       no_team={m.index for m in muon if m.transposed or m.parts is not None})  # NS'd whole instead
+    return waves, plans
+
+
+def fsdp_roots(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 modules of ``model`` with no FSDP2 ancestor (one of them becomes the root at the first forward;
+    ``set_post_optim_event`` is read from the root's state)."""
+    out: list[nn.Module] = []
+
+    def walk(mod: nn.Module) -> None:
+        if isinstance(mod, FSDPModule):
+            out.append(mod)
+            return
+        for child in mod.children():
+            walk(child)
+
+    walk(model)
+    return out

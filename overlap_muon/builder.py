@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -35,7 +36,8 @@ from .scheduler.surplus import CPU_GLOO
 from .scheduler.waves import Wave
 from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
 
-__all__ = ["Placement", "unwrap", "place", "make_groups", "plan", "ns_costs", "fsdp_roots"]
+__all__ = ["Placement", "unwrap", "check_arguments", "place", "make_groups", "param_groups", "plan", "ns_costs",
+           "fsdp_roots"]
 
 logger = logging.getLogger("overlap_muon")
 
@@ -79,6 +81,28 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     ddp = model if isinstance(model, DistributedDataParallel) else None
     model = ddp.module if ddp is not None else model
     return (getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model), ddp
+
+
+def check_arguments(max_grad_norm: Any, muon_filter: Any) -> None:
+    """The constructor's own arguments beyond ``torch.optim.Muon``'s hyper-parameters.
+
+    Raises:
+        ValueError: ``max_grad_norm`` is not a positive number or ``None``.
+        TypeError: ``muon_filter`` is not callable.
+    """
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+    if muon_filter is not None and not callable(muon_filter):
+        raise TypeError("muon_filter must be callable (name, param) -> bool")
+
+
+def param_groups(muon: list[MuonParam], adamw_groups: list[dict[str, Any]], adamw_kwargs: dict[str, Any] | None,
+                 hp: dict[str, Any]) -> tuple[torch.optim.AdamW | None, list[dict[str, Any]]]:
+    """The inner ``torch.optim.AdamW`` (``None`` without AdamW params) and the optimizer's param groups: one Muon
+    group (``hp``, ``algorithm="muon"``; a grouped expert weight once), then AdamW's (``algorithm="adamw"``)."""
+    adamw = torch.optim.AdamW(adamw_groups, **(adamw_kwargs or {})) if adamw_groups else None
+    muon_group = dict(params=list({id(m.param): m.param for m in muon}.values()), algorithm="muon", **hp)
+    return adamw, [muon_group] + [dict(g, algorithm="adamw") for g in (adamw.param_groups if adamw else ())]
 
 
 def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter: Callable | None, experts: Any,

@@ -39,10 +39,12 @@ from torch import Tensor
 
 from .comm import DPSlots
 from .domain import Domain, MuonParam
+from .scheduler.kinds import WavePlan
 from .layer_sharded_a2a import all_gather_full, from_homes, from_team, local_shard, to_homes, to_team
 from .split import split_ns
 
-__all__ = ["Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Local", "DPShared"]
+__all__ = ["Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Local", "DPShared", "build_exchange",
+           "run_collective"]
 
 #: ``ns(mats, kw) -> outs``: the runtime's NS on a list of matrices (or, for ``team``, of team blocks).
 NSFn = Callable[[list[Any], dict[str, Any]], list[Tensor]]
@@ -286,3 +288,37 @@ class DPShared(Exchange):
             for m, flat in zip(theirs, part.split([math.prod(shapes[m.index]) for m in theirs])):
                 got[m.index] = flat.view(shapes[m.index])
         return got
+
+
+def build_exchange(p: WavePlan, ctx: ExchangeContext, doms: tuple[Domain, Domain], dp: DPSlots | None) -> Exchange:
+    """The exchange of one frozen wave plan, on the wave's domain (``doms``: the gather and the scatter lanes')."""
+    w, (dom_to, dom_from) = p.wave, doms
+    if p.kind == "gathered":
+        return Gathered(ctx, w.index, dom_to, dom_from)
+    if p.kind == "team":
+        return Team(ctx, w.index, dom_to, dom_from, dict(p.split_poly))
+    if p.kind == "dp_shared":
+        D = p.dp_size
+        inner = Routed(ctx, w.index, dom_to, dom_from, {i: h // D for i, h in w.homes.items()}, {})
+        return DPShared(inner, dp, {i: h % D for i, h in w.homes.items()})
+    return Routed(ctx, w.index, dom_to, dom_from, dict(w.homes), {i: (hs, sv) for i, hs, sv in p.dup})
+
+
+def run_collective(fn: Callable[[], Any], what: str, names: list[str], dom: Domain, op: str, fused: bool) -> Any:
+    """``fn()``, a collective; any error but a ``ValueError`` (bad input, already named and raised on every rank
+    before the collective) becomes a ``RuntimeError`` naming ``what`` (the wave and phase), the collective, the group
+    and ``names`` (the params), with the original chained."""
+    try:
+        return fn()
+    except ValueError:
+        raise
+    except Exception as e:
+        if fused or op == "all_gather":
+            g, kind = dom.flat_group, "flat R x T group"
+        else:
+            g, kind = dom.remat_group or dom.tp_group, "remat/TP groups"
+        ranks = dist.get_process_group_ranks(g) if g is not None else [dist.get_rank()]
+        raise RuntimeError(
+            f"OverlapMuon {what} failed on rank {dist.get_rank()} ({'fused' if fused else 'two-stage'} {op} over the "
+            f"runtime's {kind} {dom.remat_size}x{dom.tp_size}, global ranks {ranks}; params {names}): {e}"
+        ) from e

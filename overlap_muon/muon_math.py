@@ -53,7 +53,8 @@ from torch import Tensor
 
 from .ns import _schedule, adjusted_lr
 
-__all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update"]
+__all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update", "CommitAtApply",
+           "KeepForApply", "CommitAtPack"]
 
 
 def check_hyperparameters(
@@ -217,3 +218,46 @@ def _add_like_full_matrix(
         flat_p, flat_u = pf.reshape(-1)[where], uf.reshape(-1)[where]
         out.view(-1)[where] = flat_p + (flat_u * a).bfloat16().float()  # element path: product rounded to bf16
     param.copy_(out)  # fp32 -> bf16, round to nearest even (both kernel paths end with this conversion)
+
+
+class CommitAtApply:
+    """How a speculative wave commits its momentum: the pack computes the new momentum out of place (the NS input's
+    source), and the apply, at ``step()``, recomputes it in place with the same op (bitwise the same), so the wave
+    holds no momentum copy."""
+
+    def pack(self, bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float) -> list[Tensor]:
+        """The new momentum of each shard (what the NS input is built from)."""
+        return [momentum_update(b, g, momentum) for b, g in zip(bufs, grads)]
+
+    def commit(self, j: int, buf: Tensor, grad: Tensor, momentum: float) -> None:
+        """Commit item ``j``'s new momentum into ``buf`` (its committed buffer)."""
+        momentum_update_(buf, grad, momentum)
+
+
+class KeepForApply(CommitAtApply):
+    """``async_step``: the apply runs after ``step()`` returns, when ``.grad`` may already be zeroed: the wave keeps
+    the new momentum from the pack and the apply copies it (one momentum-sized copy per wave in flight)."""
+
+    def __init__(self) -> None:
+        self.kept: list[Tensor] = []
+
+    def pack(self, bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float) -> list[Tensor]:
+        self.kept = super().pack(bufs, grads, momentum)
+        return self.kept
+
+    def commit(self, j: int, buf: Tensor, grad: Tensor, momentum: float) -> None:
+        buf.copy_(self.kept[j])
+
+
+class CommitAtPack(CommitAtApply):
+    """A synchronous step's wave, launched inside ``step()`` after its gradient-presence agreement: nothing can make
+    it stale, so the pack commits the momentum in place (``torch.optim.Muon``'s own op, no copy) and the apply has
+    nothing left to commit. ``bufs`` are the committed buffers themselves."""
+
+    def pack(self, bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float) -> list[Tensor]:
+        for b, g in zip(bufs, grads):
+            momentum_update_(b, g, momentum)
+        return list(bufs)
+
+    def commit(self, j: int, buf: Tensor, grad: Tensor, momentum: float) -> None:
+        return None

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 
-__all__ = ["zeropower", "adjusted_lr",
+__all__ = ["zeropower", "zeropower_each", "adjusted_lr",
            "DEFAULT_NS_COEFFICIENTS", "SYRK_BLOCK", "sym_gram", "sym_poly"]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -229,3 +229,26 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, full_shape: Sequence[int]) 
     else:
         ratio = 1.0
     return lr * ratio
+
+
+def zeropower_each(mats: Sequence[Tensor], kw: dict, batch: bool, stats: dict[str, int]) -> list[Tensor]:
+    """:func:`zeropower` of each matrix (``kw`` its keyword arguments). With ``batch``, same-shape matrices go
+    through one batched call (no flattening across matrices; not bitwise where batched bf16 matmul is not
+    batch-invariant). Counts ``stats["ns_matrices"]`` and ``stats["ns_calls"]``."""
+    stats["ns_matrices"] += len(mats)
+    if not batch:
+        stats["ns_calls"] += len(mats)
+        return [zeropower(m, **kw) for m in mats]
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for j, m in enumerate(mats):
+        by_shape.setdefault(tuple(m.shape), []).append(j)
+    out: list[Tensor | None] = [None] * len(mats)
+    for js in by_shape.values():
+        stats["ns_calls"] += 1
+        if len(js) == 1:
+            out[js[0]] = zeropower(mats[js[0]], **kw)
+        else:
+            res = zeropower(torch.stack([mats[j] for j in js]), **kw)
+            for r, j in enumerate(js):
+                out[j] = res[r]
+    return out  # type: ignore[return-value]

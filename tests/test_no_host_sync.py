@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import overlap_muon.pipeline as pipeline_mod
+import overlap_muon.wave_state as wave_state_mod
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, PlainShardNet, TinyNet, build_dtensor_model, plain_opt
@@ -74,7 +75,7 @@ class _FakeHandle:
 def test_wait_makes_every_given_stream_wait_on_the_event():
     streams = [_FakeStream(), _FakeStream()]
     h = _FakeHandle()
-    pipeline_mod._wait(h, streams)
+    wave_state_mod.wait_handle(h, streams)
     assert [s.waited for s in streams] == [[h.event], [h.event]]
 
 

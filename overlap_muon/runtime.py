@@ -1,0 +1,222 @@
+"""The runtime behind ``OverlapMuon``'s torch.optim surface: the plan, the hooks, and a step's launch, commit and
+barrier over the wave pipeline.
+
+``OverlapMuon`` (``optimizer.py``) holds one :class:`Runtime` and calls it; the runtime holds the optimizer only
+weakly (its hooks must not keep a dropped optimizer alive).
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import builder, version_fix
+from .checks import check_plan_everywhere
+from .clip import clip_grads_by_total_norm_
+from .comm import CommContext
+from .config import OverlapMuonConfig
+from .domain import MuonParam, local_tensor
+from .forward_waits import ForwardWaits, ParamIndex
+from .hooks import GradReadyTracker, ddp_readiness_hook, weak_callback
+from .pipeline import WavePipeline
+from .scheduler import ReadinessRecorder, WaveDispatcher
+from .wave_state import Hyper
+
+__all__ = ["Runtime", "StepPhase"]
+
+try:
+    from torch.distributed.tensor import DTensor
+except Exception:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment]
+
+
+class StepPhase(enum.Enum):
+    """Where an ``OverlapMuon`` is in the training step (as FSDP2's ``TrainingState``)."""
+
+    IDLE = enum.auto()
+    """Between steps: backward's gradient-ready hooks launch waves, speculatively."""
+    ACCUMULATING = enum.auto()
+    """Inside ``no_sync()``: backward launches nothing (the last micro-batch's backward will)."""
+    STEP = enum.auto()
+    """Inside ``step()``: waves launched now are validated and committed by this call."""
+    SYNC_STEP = enum.auto()
+    """Inside a synchronous ``step()`` after its gradient-presence agreement: launched waves commit their momentum
+    as they pack (nothing can make them stale)."""
+
+
+def _remove_all(handles: list, pipeline: WavePipeline, fixed: bool) -> None:
+    """Finalizer of an OverlapMuon (``close()`` or garbage collection): unhook, stop the lane threads, and give
+    back the version fix (the last overlap optimizer removes it)."""
+    for h in handles:
+        h.remove()
+    pipeline.close()
+    if fixed:
+        version_fix.release()
+
+
+class Runtime:
+    """The plan, the hooks and the step's machinery of one optimizer.
+
+    Args:
+        muon: the Muon params; comm: the groups (``comm.build_comm``); config: the options; stats: the optimizer's
+        counters; state: the optimizer's ``state``; adamw_params: the AdamW params (their gradient presence is
+        agreed too); ns_steps: for the NS cost; muon_group: returns the optimizer's Muon param group now.
+    """
+
+    def __init__(self, muon: list[MuonParam], comm: CommContext, config: OverlapMuonConfig, stats: dict[str, int],
+                 state: dict, adamw_params: list[Tensor], ns_steps: int, muon_group: Callable[[], dict]) -> None:
+        self.muon, self.config, self._group = muon, config, muon_group
+        device = local_tensor(muon[0].param).device if muon else torch.device("cpu")
+        self.pipeline = WavePipeline(muon, state, comm.dom_to, comm.dom_from, config, device, stats, comm.ctrl,
+                                     expert_doms=comm.expert, dp_slots=comm.dp, team_group=comm.team)
+        self.async_step = config.overlap and config.async_step
+        self.pipeline.keep_momentum = self.async_step  # the apply runs after step() returns: it must not read .grad
+        self.pipeline.adamw_params = adamw_params
+        self.sizes = (comm.dom_to.size, comm.expert[0].size if comm.expert else 1)
+        self.index = ParamIndex(muon)
+        self.costs = builder.ns_costs(muon, ns_steps)
+        self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
+        self.phase = StepPhase.IDLE
+        self.handles: list[Any] = []
+        self.tracker: GradReadyTracker | None = None
+        self.waits: ForwardWaits | None = None
+        self.fsdp_roots: list[nn.Module] = []
+        self.plan(list(reversed(range(len(muon)))))
+        check_plan_everywhere(muon, self.waves, [p.describe() for p in self.plans])
+
+    def plan(self, order: list[int]) -> None:
+        """Plan the waves for a gradient-ready ``order`` (``builder.plan``); hand their frozen plans to the
+        pipeline."""
+        dp = self.pipeline.dp
+        self.waves, self.plans = builder.plan(order, self.muon, self.costs, self.config, self.sizes,
+                                              dp.size if dp is not None else 1, self.pipeline.lanes.cuda)
+        self.pipeline.set_plans(self.plans)
+        self.index.wave_of = {i: w.index for w in self.waves for i in w.params}
+        self.dispatcher = WaveDispatcher(self.waves, self._launch)
+
+    def hook(self, owner: Any, model: nn.Module, sync_hook: Callable[..., None]) -> weakref.finalize:
+        """Gradient-ready hooks (overlap mode), ``async_step``'s forward waits, the ``state_dict`` wait, the version
+        fix; returns the finalizer of ``owner`` that undoes them."""
+        if self.config.overlap and self.muon:
+            self.tracker = GradReadyTracker([m.param for m in self.muon], weak_callback(self.on_ready),
+                                            on_backward_end=weak_callback(self.on_backward_end))
+            self.handles.append(self.tracker)
+            if self.async_step:  # [Note: the step barrier]: only the asynchronous step needs forward waits
+                self.waits = ForwardWaits(model, self.muon, self.index, self.pipeline, self.handles)
+        self.handles.append(model.register_state_dict_pre_hook(sync_hook))
+        self.fsdp_roots = builder.fsdp_roots(model)
+        if self.config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
+            dtensors = [m.param for m in self.muon if isinstance(m.param, DTensor)]
+            version_fix.acquire(dtensors[0].device_mesh if dtensors else None)
+        return weakref.finalize(owner, _remove_all, self.handles, self.pipeline, self.config.overlap)
+
+    def attach_ddp(self, ddp_model: nn.Module) -> None:
+        """Readiness from DDP's comm hook instead of the per-param hooks (``OverlapMuon.attach_ddp``)."""
+        if not self.config.overlap or not self.muon:
+            return
+        if self.tracker is not None:
+            self.tracker.remove()
+            self.tracker = None
+        on_ready = weak_callback(self.on_ready)
+        state, hook = ddp_readiness_hook(lambda idx: [on_ready(i) for i in idx], dict(self.index.first),
+                                         process_group=ddp_model.process_group)
+        ddp_model.register_comm_hook(state, hook)
+
+    # hooks -> dispatcher -> pipeline
+    def on_ready(self, first: int) -> None:
+        if self.phase is StepPhase.ACCUMULATING:
+            return
+        for i in self.index.siblings[first]:
+            if self.dispatcher.launched > self.index.wave_of[i]:
+                # A new backward before step(): its gradients supersede the waves already launched.
+                self.pipeline.discard()
+                self.dispatcher.reset()
+            if self.recorder is not None:
+                self.recorder.mark_ready(i)
+            self.dispatcher.mark_ready(i)
+
+    def on_backward_end(self) -> None:
+        if self.phase is not StepPhase.ACCUMULATING:
+            self.dispatcher.flush()
+
+    def _launch(self, wave: Any) -> None:
+        self.pipeline.launch(wave, Hyper.of(self._group()), committed=self.phase is StepPhase.SYNC_STEP)
+
+    def set_phase(self, phase: StepPhase) -> StepPhase:
+        """Move to ``phase`` (the gradient-ready hooks are off while accumulating); returns the phase before."""
+        prev, self.phase = self.phase, phase
+        if self.tracker is not None:
+            self.tracker.enabled = phase is not StepPhase.ACCUMULATING
+        return prev
+
+    # the step: prepare, launch the rest, commit, then order the updates before what follows
+    def prepare(self, max_grad_norm: float | None, params: list[Tensor]) -> tuple[bool, Tensor | None]:
+        """Surface earlier lane errors; the non-finite check; the clip (``params`` in ``model.parameters()``
+        order: the norm of the stacked norms depends on it, as in ``clip_grad_norm_``). Returns whether the step
+        applies, and the norm before clipping (``None`` without ``max_grad_norm``)."""
+        self.pipeline.reap()
+        ok = self.pipeline.all_finite() if self.config.skip_nonfinite else True
+        norm = None
+        if max_grad_norm is not None and ok:
+            norm, clipped = clip_grads_by_total_norm_([p.grad for p in params if p.grad is not None], max_grad_norm)
+            self.pipeline.stats["clipped_steps"] += clipped
+        self.pipeline.stats["skipped_steps"] += not ok
+        return ok, norm
+
+    def launch_rest(self, ok: bool) -> None:
+        """Launch the waves backward did not. A synchronous step agrees on gradient presence once, first, and its
+        waves then commit their momentum as they pack (:attr:`StepPhase.SYNC_STEP`)."""
+        if ok and not self.config.overlap and not self.pipeline.has_pending():
+            self.pipeline.agree_before_launch()
+            self.phase = StepPhase.SYNC_STEP
+        try:
+            self.dispatcher.flush()
+        finally:
+            self.phase = StepPhase.STEP
+
+    def commit(self, ok: bool) -> int:
+        """Validate the waves (stale ones re-run) and queue their applies with the hyper-parameters of now;
+        returns the number re-run."""
+        return self.pipeline.commit(self.waves, self._group(), validate=self.config.overlap, skip=not ok)
+
+    def finish(self) -> None:
+        """Re-plan once from the observed order, then order the updates before what follows: the step barrier, or
+        (``async_step``) the forward waits' policy and a wait for the gradient reads."""
+        if self.recorder is not None and self.recorder.recorded:
+            self._adopt_observed_order()
+        self.dispatcher.reset()
+        if self.waits is None:
+            self.barrier()
+            return
+        self.waits.after_step([w.index for w in self.waves])
+        self.pipeline.wait_gradients_read()  # the applies read no gradient: the user may zero them now
+
+    def barrier(self) -> None:
+        """[Note: the step barrier] The default: ``step()`` orders its updates before anything after it, so every
+        later reader (the next forward, ``model.unshard()``, a step post-hook, ``load_state_dict``, an averager
+        wrapping the optimizer, user code) sees the updated weights. CPU: the host waits for every apply. CUDA: no
+        host sync: the current stream waits on the apply events, and each FSDP2 root gets an event recorded after
+        that wait through ``FSDPModule.set_post_optim_event`` (FSDP2's public hook: its next all-gathers wait on
+        it instead of on the whole current stream). The backward overlap is kept: the waves were launched and
+        validated speculatively; what is given up is the overlap with the next forward (``async_step``)."""
+        self.pipeline.wait([w.index for w in self.waves])
+        if self.pipeline.lanes.cuda and self.fsdp_roots:
+            event = self.pipeline.lanes.current_stream_event()
+            for root in self.fsdp_roots:
+                root.set_post_optim_event(event)
+
+    def _adopt_observed_order(self) -> None:
+        """After the first step: broadcast rank 0's observed readiness order and re-plan the waves with it."""
+        assert self.recorder is not None
+        self.pipeline.synchronize()
+        order = [self.recorder.order()]
+        if self.pipeline.ctrl_group is not None:
+            dist.broadcast_object_list(order, src=0, group=self.pipeline.ctrl_group)
+        self.recorder = None
+        self.plan(list(order[0]))

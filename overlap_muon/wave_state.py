@@ -1,0 +1,116 @@
+"""One launched wave's state: the hyper-parameters it used, the tensors it holds, its lane handles.
+
+[Note: release on time] in ``pipeline.py`` says who releases what, and when.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from .domain import local_tensor
+from .exchanges import Leg
+from .lanes import LaneHandle
+from .scheduler.waves import Wave
+
+__all__ = ["Hyper", "WaveState", "versions", "wait_handle"]
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The hyper-parameters a wave's NS input depends on; a wave launched with other values is stale at commit.
+
+    ``lr`` and ``weight_decay`` are not here: they enter only the apply, which reads them at ``step()``.
+    """
+
+    momentum: float
+    nesterov: bool
+    ns_coefficients: Any
+    ns_steps: int
+    eps: float
+
+    @staticmethod
+    def of(group: dict[str, Any]) -> "Hyper":
+        return Hyper(group["momentum"], group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+
+@dataclass(eq=False)
+class WaveState:
+    """Everything one launched wave holds, and the lane handles that say when it may be released.
+
+    Tensor fields are written by the task named beside them and set to ``None`` when released ([Note: release
+    on time]). Shapes: "shard" is this rank's block of a param (its local tensor), "(P, Q)" a full matrix.
+    """
+
+    wave: Wave
+    items: list[int]
+    """Param indices of the wave that have a gradient on this rank, in wave order."""
+    hyper: Hyper
+    grads: list[Tensor] | None
+    """The gradients read, as ``param.grad`` holds them (DTensor or shard; set by ``launch``; read again by the
+    apply, which recomputes the new momentum in place; released after it)."""
+    versions: list[tuple[int, int]]
+    """Version counters of each gradient and of its local shard at launch; ``commit`` compares them."""
+    packed: list[Tensor | None] | None = None
+    """Shards, bf16: the NS inputs (``pack``; released after ``from_home``)."""
+    legs: list[Leg] | None = None
+    """One per exchange the wave uses (``overlap_muon.exchanges``): the exchanged params, then the replicated ones;
+    each holds its matrices, results and route (``pack``; released after ``from_home``)."""
+    updates: list[Tensor] | None = None
+    """Shards, bf16: this rank's block of each NS result (``from_home``; released after the apply)."""
+    momenta: list[Tensor] | None = None
+    """Shards: the new momentum of each item (``to_home``, only with ``async_step``, whose apply runs after
+    ``step()`` returns and so must not read ``.grad``; released after the apply)."""
+    empty: bool = False
+    """No rank of the domain has a gradient for this wave (``to_home``): nothing to apply."""
+    # Handles. On CUDA each carries an event recorded by its lane after its kernels. Who waits on it:
+    # h_pack -- the gather (h_to), and async_step's step(), which returns once every gradient has been read;
+    # h_to -- the compute lane (h_ns's dependency); h_ns -- the from_home lane; h_from -- the apply task;
+    # h_apply -- forward pre-hooks (current stream, FSDP2's all-gather streams), synchronize(), reap().
+    h_pack: LaneHandle | None = None
+    h_to: LaneHandle | None = None
+    h_ns: LaneHandle | None = None
+    h_from: LaneHandle | None = None
+    h_apply: LaneHandle | None = None
+    committed: bool = False
+    momentum_done: bool = False
+    """A synchronous step's wave: its pack committed the new momentum in place (``launch(committed=True)``)."""
+
+    def handles(self) -> list[LaneHandle]:
+        return [h for h in (self.h_pack, self.h_to, self.h_ns, self.h_from, self.h_apply) if h is not None]
+
+    def done(self) -> bool:
+        """Every queued task has finished (CPU: host side; CUDA: its event has completed). Never blocks."""
+        return all(h.done() for h in self.handles())
+
+    def release(self) -> None:
+        """Drop every tensor the wave holds."""
+        self.grads = self.packed = self.legs = self.updates = self.momenta = None
+
+
+def versions(grad: Tensor) -> tuple[int, int]:
+    """Version counters of a gradient and of its local shard: an in-place op on a DTensor bumps the wrapper's
+    only (the local op runs below autograd's version tracking), one on the local shard bumps the shard's."""
+    return grad._version, local_tensor(grad)._version
+
+
+def wait_handle(h: LaneHandle | None, streams: Sequence[Any]) -> None:
+    """Make the caller wait for ``h`` (CPU: the host; CUDA: the current stream and ``streams``); raise its task's
+    error (a ``ValueError`` stays one: bad input found on a lane is raised on every rank)."""
+    if h is None:
+        return
+    try:
+        h.wait_on_current_stream()
+        if h.event is not None:
+            for s in streams:
+                s.wait_event(h.event)
+    except ValueError as e:  # bad input found on the lane (gradient presence): raised on every rank, stays a ValueError
+        raise ValueError(f"OverlapMuon: {e}") from e
+    except BaseException as e:
+        raise RuntimeError(
+            f"OverlapMuon: a {h.lane} lane task failed (see the chained exception for its traceback); "
+            "the step's Muon update is incomplete"
+        ) from e

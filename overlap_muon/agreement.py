@@ -88,7 +88,8 @@ class Agreement:
         n, k, a = len(stale), len(have), len(adamw)
         split += [m.name for m, x, y in zip(dense, flags[n:n + k].tolist(), flags[n + k:n + 2 * k].tolist()) if x and y]
         anywhere = flags[n + 2 * k:n + 2 * k + a].tolist()
-        self._adamw_elsewhere = {id(p) for p, mine, any_ in zip(self.adamw_params, adamw, anywhere) if any_ and not mine}
+        self._adamw_elsewhere = {id(p) for p, mine, any_ in zip(self.adamw_params, adamw, anywhere)
+                                 if any_ and not mine}
         if split or flags[-1]:
             self.discard()
             raise ValueError(
@@ -108,8 +109,8 @@ class Agreement:
         return [m.name for m, a, b in zip(mps, flags[:k].tolist(), flags[k:].tolist()) if a and b]
 
     def _agree(self, flags: Tensor, group: dist.ProcessGroup, pending: dict[int, WaveState]) -> None:
-        """The element-wise MAX of ``flags`` over every rank, in place (host tensors, gloo). A failure here (a dead or stalled
-        peer) usually fails the pending waves' exchanges too: report the first of those, which names the wave and
+        """The element-wise MAX of ``flags`` over every rank, in place (host tensors, gloo). A failure here (a dead or
+        stalled peer) usually fails the pending waves' exchanges too: report the first of those, which names the wave and
         the exchange, else this one.
 
         Raises:

@@ -29,6 +29,7 @@ from .comm import CommContext, build_comm
 from .config import OverlapMuonConfig
 from .discovery import discover_expert_layouts, discover_layouts, mesh_dims, my_coords
 from .domain import MuonParam
+from .muon_math import check_hyperparameters
 from .placement import place_params
 from .scheduler import ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
 from .scheduler.kinds import WavePlan, plan_kinds
@@ -83,13 +84,16 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     return (getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model), ddp
 
 
-def check_arguments(max_grad_norm: Any, muon_filter: Any) -> None:
-    """The constructor's own arguments beyond ``torch.optim.Muon``'s hyper-parameters.
+def check_arguments(hp: dict[str, Any], max_grad_norm: Any, muon_filter: Any) -> None:
+    """The constructor's arguments: ``hp``, ``torch.optim.Muon``'s hyper-parameters (its checks and messages:
+    ``muon_math.check_hyperparameters``), then ours.
 
     Raises:
-        ValueError: ``max_grad_norm`` is not a positive number or ``None``.
+        ValueError: a hyper-parameter is out of range, or ``max_grad_norm`` is not a positive number or ``None``.
         TypeError: ``muon_filter`` is not callable.
     """
+    check_hyperparameters(hp["lr"], hp["weight_decay"], hp["momentum"], hp["eps"], hp["adjust_lr_fn"],
+                          hp["ns_coefficients"], hp["ns_steps"])
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     if muon_filter is not None and not callable(muon_filter):
@@ -126,7 +130,8 @@ def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter
     _, ET, _, et = my_coords(elayouts, rank)
     dims = mesh_dims(m["device_mesh"], m["remat_dim"], m["tp_dim"])[0] if m["device_mesh"] is not None else None
     muon, described = place_params(muon_named, expert_ids, conv1d_weights(model), split,
-                                   (m["device_mesh"], dims, R, T, g, t), (m["expert_mesh"], m["ep_dim"], m["etp_dim"], ET, et))
+                                   (m["device_mesh"], dims, R, T, g, t),
+                                   (m["expert_mesh"], m["ep_dim"], m["etp_dim"], ET, et))
     expert_layout = m["expert_mesh"] is not None or m["etp_group"] is not None
     _warn_layout(rank, multi, experts, adamw_named, muon_named, expert_ids, expert_layout, layouts)
     errors += described + _layout_errors(muon_named, expert_ids, expert_layout) + option_errors(config)
@@ -175,7 +180,8 @@ def _split_errors(split: Any, muon: list[MuonParam]) -> list[str]:
 def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], expert_layout: bool) -> list[str]:
     """Collective: an expert layout given with no expert param selected, or expert counts that differ by rank
     (which would otherwise surface as a plan mismatch naming an unrelated param)."""
-    errors = ["expert_mesh/etp_group given but experts= selects no Muon param"] if expert_layout and not expert_ids else []
+    errors = (["expert_mesh/etp_group given but experts= selects no Muon param"]
+              if expert_layout and not expert_ids else [])
     held = [(n, int(p.shape[0]) if p.ndim == 3 else 1) for n, p in muon_named if id(p) in expert_ids]
     per_rank = differs_across_ranks(held)  # on every rank, whatever it holds
     if per_rank is not None:

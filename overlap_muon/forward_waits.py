@@ -129,9 +129,9 @@ class ForwardWaits:
                 "async_step=False (no forward waits)."
             )
         raise RuntimeError(
-            "OverlapMuon (async_step=True): torch.compile traces a module's forward wait, but no compiled module of the "
-            "model ran its wait eagerly first (the model is compiled from outside, e.g. torch.compile of a function "
-            "that calls it), so the compiled forward could read weights before their update lands. Supported: "
+            "OverlapMuon (async_step=True): torch.compile traces a module's forward wait, but no compiled module of "
+            "the model ran its wait eagerly first (the model is compiled from outside, e.g. torch.compile of a "
+            "function that calls it), so the compiled forward could read weights before their update lands. Supported: "
             "per-block block.compile() / torch.compile(block), model.compile(), and torch.compile(model) of a model "
             "class of your own; or use the default async_step=False (no forward waits)."
         )

@@ -1,9 +1,10 @@
-"""``OverlapMuon``: layer-sharded Muon whose optimizer work hides inside backward and the next forward.
+"""``OverlapMuon``: layer-sharded Muon whose optimizer work hides inside backward.
 
-This class wires the parts: params sorted into Muon matrices and AdamW params; the domain and its checks
-(``overlap_muon.domain``); gradient-ready hooks (``hooks``) -> the wave dispatcher (``scheduler``) -> the wave
-pipeline (``overlap_muon.pipeline``, where [Note: one matrix from hook to forward wait] follows one matrix
-through a step); forward pre-hooks -> pipeline waits. ``step()`` commits: only it changes params and state.
+The torch.optim surface: ``step``, ``zero_grad``, ``no_sync``, ``state_dict`` / ``load_state_dict``,
+``attach_ddp``, ``wait_for``, ``register_wait``, ``synchronize``, ``close``. Construction reads top to bottom in
+``builder.py`` (sort, place, check on every rank, groups, plan); the machinery (plan, hooks, launch, commit, the
+step barrier) is the :class:`~overlap_muon.runtime.Runtime`; a wave's trip is ``pipeline.py``. Only ``step()``
+changes params and optimizer state.
 
 [Note: exactness] Momentum, Nesterov, the bf16 cast, weight decay and the update are elementwise
 (``overlap_muon.muon_math``), so each rank runs them on its own shard; only NS needs the whole matrix, which the
@@ -14,10 +15,8 @@ home assembles bit for bit, and the learning-rate ratio uses the full logical sh
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import warnings
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -26,17 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import builder, version_fix
-from .checks import check_plan_everywhere
-from .clip import clip_grads_by_total_norm_
-from .config import OverlapMuonConfig, resolve_config
-from .domain import Domain, local_tensor
-from .forward_waits import ForwardWaits, ParamIndex
-from .hooks import GradReadyTracker, ParamOwners, ddp_readiness_hook, weak_callback
-from .muon_math import check_hyperparameters
+from . import builder
+from .config import resolve_config
+from .domain import Domain
+from .hooks import ParamOwners, weak_callback
 from .ns import DEFAULT_NS_COEFFICIENTS
-from .pipeline import Hyper, WavePipeline
-from .scheduler import ReadinessRecorder, WaveDispatcher
+from .runtime import Runtime, StepPhase
 from .scheduler.waves import Wave
 from .split import SplitArg
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
@@ -45,37 +39,8 @@ __all__ = ["OverlapMuon", "StepPhase"]
 
 logger = logging.getLogger("overlap_muon")
 
-try:
-    from torch.distributed.tensor import DTensor
-except Exception:  # pragma: no cover
-    DTensor = ()  # type: ignore[assignment]
-
 # One live OverlapMuon drives a param at a time (its hooks would apply every update twice otherwise).
 _OWNERS = ParamOwners(lambda opt: getattr(opt, "_finalizer", None) is not None and opt._finalizer.alive)
-
-
-class StepPhase(enum.Enum):
-    """Where an ``OverlapMuon`` is in the training step (as FSDP2's ``TrainingState``)."""
-
-    IDLE = enum.auto()
-    """Between steps: backward's gradient-ready hooks launch waves, speculatively."""
-    ACCUMULATING = enum.auto()
-    """Inside ``no_sync()``: backward launches nothing (the last micro-batch's backward will)."""
-    STEP = enum.auto()
-    """Inside ``step()``: waves launched now are validated and committed by this call."""
-    SYNC_STEP = enum.auto()
-    """Inside a synchronous ``step()`` after its gradient-presence agreement: launched waves commit their momentum
-    as they pack (nothing can make them stale)."""
-
-
-def _remove_all(handles: list, pipeline: WavePipeline, fixed: bool) -> None:
-    """Finalizer of an OverlapMuon (``close()`` or garbage collection): unhook, stop the lane threads, and give
-    back the version fix (the last overlap optimizer removes it)."""
-    for h in handles:
-        h.remove()
-    pipeline.close()
-    if fixed:
-        version_fix.release()
 
 
 class OverlapMuon(torch.optim.Optimizer):
@@ -90,20 +55,15 @@ class OverlapMuon(torch.optim.Optimizer):
             hyper-parameters with ``torch.optim.Muon``'s names, defaults and meaning (``lr`` may be a 0-d tensor,
             kept as one). ``ns_coefficients`` may also be a sequence of ``ns_steps`` per-step ``(a, b, c)``.
         adamw_kwargs: passed verbatim to the ``torch.optim.AdamW`` of the non-Muon params (default ``{}``).
-        max_grad_norm: when set, ``step()`` clips every gradient (Muon and AdamW, every rank) by the global norm,
-            exactly as ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)`` between backward and
-            ``step()`` would, keeping the overlap on steps where clipping does not bite ([Note: clipping and
-            speculative waves] in ``overlap_muon/clip.py``); ``last_grad_norm`` holds the norm before clipping.
-            Needs DTensor params or one process (a plain-tensor shard cannot tell which peers hold copies).
+        max_grad_norm: when set, ``step()`` clips every gradient by the global norm exactly as ``clip_grad_norm_``
+            would, keeping the overlap where clipping does not bite ([Note: clipping and speculative waves] in
+            ``clip.py``); ``last_grad_norm`` holds the norm. Needs DTensor params or one process.
         split: fused weights orthogonalized as their parts (split QKV, fused gate/up, per-head blocks): a mapping
             from param names (``fnmatch`` patterns) to a :class:`~overlap_muon.split.RowSplit`, or a callable
             ``(name, param) -> RowSplit | None``; equal to ``torch.optim.Muon`` on each part as its own param.
-        adamw_groups: several AdamW groups: ``[{"params": selector, **overrides}, ...]``; the selector is a
-            ``(name, param) -> bool`` callable or an iterable of param names (or params); the overrides (``lr``,
-            ``weight_decay``, ...) replace ``adamw_kwargs`` for that group; a param goes to the first group that
-            selects it, the rest to a last group with ``adamw_kwargs`` (``overlap_muon.sorting.adamw_param_groups``).
-            The groups follow the Muon group in ``param_groups`` (each with ``algorithm="adamw"``), so LR schedulers
-            and ``state_dict`` cover them.
+        adamw_groups: several AdamW groups, ``[{"params": selector, **overrides}, ...]`` (a ``(name, param) ->
+            bool`` callable or names; a param goes to the first group that selects it, the rest to a last group with
+            ``adamw_kwargs``: ``sorting.adamw_param_groups``). They follow the Muon group in ``param_groups``.
         muon_filter: ``(name, param) -> bool`` picking Muon params; default ([Note: the default split] in
             ``overlap_muon/sorting.py``): 2-D weights of ``nn.Linear`` and HF ``Conv1D`` modules, except embeddings
             (and weights tied to them) and the output head. A ``Conv1D`` weight (stored ``(in, out)``) is
@@ -115,21 +75,21 @@ class OverlapMuon(torch.optim.Optimizer):
         remat_dim, tp_dim: see ``device_mesh`` (torchtitan: ``remat_dim="dp_shard"`` or ``"fsdp"``).
         tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``; a plain
             param without one holds the whole matrix and is replicated: [Note: replicated params] in ``domain.py``).
-        experts: the expert params (MoE), routed on their own domain ([Note: two domains] in ``discovery.py``): an
-            ``fnmatch`` pattern of param names, a list of them, or a ``(name, param) -> bool`` callable. A selected
-            param is a Muon param (with a custom ``muon_filter``, the filter must pick it too): a 2-D linear of one
-            expert, or a 3-D ``(E, P, Q)`` grouped weight, which is ``E`` matrices for NS (equal to
-            ``torch.optim.Muon`` on each ``(P, Q)`` matrix as its own param; named ``"{name}[e]"``, ``e`` local).
-        expert_mesh, ep_dim, etp_dim: the ``DeviceMesh`` over which expert params are DTensors, and its
-            expert-parallel and expert-TP dim names (3-D params: ``Shard(0)`` on ``ep_dim``; ``Shard(1)``,
-            ``Shard(2)`` or ``Replicate`` on ``etp_dim``). Every EP index holds its own experts; the ETP ranks
-            of one index are the expert domain.
-        etp_group: for plain-tensor expert params sharded over expert TP: this rank's ETP group (each param
-            carrying ``partition_dim`` 0 or 1 of its ``(P, Q)`` matrices). Without ``expert_mesh`` and
-            ``etp_group`` every rank's experts are its own (ETP 1): NS runs locally, nothing is exchanged.
+        experts: the expert params (MoE), routed on their own domain ([Note: two domains] in ``discovery.py``): a
+            pattern of names, a list of them, or a ``(name, param) -> bool`` callable; a 2-D linear of one expert, or
+            a 3-D ``(E, P, Q)`` grouped weight (``E`` matrices, each as ``torch.optim.Muon`` on its own param).
+        expert_mesh, ep_dim, etp_dim, etp_group: the expert params' ``DeviceMesh`` and its EP and expert-TP dims
+            (3-D params ``Shard(0)`` on ``ep_dim``), or this rank's ETP group for plain shards; without either,
+            every rank's experts are its own (docs/usage.md, "Experts").
         mode, fused_a2a, batch_ns, balance, overlap, wave_plan, wave_slots, side_streams, nvtx, pg_timeout_s,
             readiness_order, skip_nonfinite, syrk, check_grad_presence: options (``overlap_muon.config``); ``None``
             takes the environment variable or the default.
+
+    Attributes:
+        domain, expert_domain: this rank's :class:`~overlap_muon.domain.Domain` (``R x T``, coordinates ``g, t``)
+            and its expert domain (``1 x ETP``; ``1 x 1`` without one).
+        stats: counters: ``ns_matrices`` (NS'd on this rank), ``ns_calls``, ``waves_launched``, ``reruns`` (waves
+            re-run at ``step()`` because their inputs changed), ``steps``, ``skipped_steps``, ``clipped_steps``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -142,122 +102,50 @@ class OverlapMuon(torch.optim.Optimizer):
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        *,
-        lr: float | Tensor = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: Any = DEFAULT_NS_COEFFICIENTS,
-        ns_steps: int = 5,
-        eps: float = 1e-7,
-        adjust_lr_fn: str | None = None,
-        max_grad_norm: float | None = None,
-        split: SplitArg = None,
-        adamw_kwargs: dict[str, Any] | None = None,
-        muon_filter: Callable[[str, Tensor], bool] | None = None,
-        device_mesh: Any = None,
-        remat_dim: str | None = "remat",
-        tp_dim: str | None = "tp",
-        adamw_groups: list[dict[str, Any]] | None = None,
-        tp_group: dist.ProcessGroup | None = None,
-        remat_group: dist.ProcessGroup | None = None,
-        experts: Any = None,
-        expert_mesh: Any = None,
-        ep_dim: str = "ep",
-        etp_dim: str = "etp",
-        etp_group: dist.ProcessGroup | None = None,
-        **options: Any,
+        self, model: nn.Module, *, lr: float | Tensor = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+        nesterov: bool = True, ns_coefficients: Any = DEFAULT_NS_COEFFICIENTS, ns_steps: int = 5, eps: float = 1e-7,
+        adjust_lr_fn: str | None = None, max_grad_norm: float | None = None, split: SplitArg = None,
+        adamw_kwargs: dict[str, Any] | None = None, muon_filter: Callable[[str, Tensor], bool] | None = None,
+        device_mesh: Any = None, remat_dim: str | None = "remat", tp_dim: str | None = "tp",
+        adamw_groups: list[dict[str, Any]] | None = None, tp_group: dist.ProcessGroup | None = None,
+        remat_group: dist.ProcessGroup | None = None, experts: Any = None, expert_mesh: Any = None,
+        ep_dim: str = "ep", etp_dim: str = "etp", etp_group: dist.ProcessGroup | None = None, **options: Any,
     ) -> None:
         model, ddp = builder.unwrap(model)
-        check_hyperparameters(lr, weight_decay, momentum, eps, adjust_lr_fn, ns_coefficients, ns_steps)
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
-        if muon_filter is not None and not callable(muon_filter):
-            raise TypeError("muon_filter must be callable (name, param) -> bool")
-        self.max_grad_norm = max_grad_norm
-        self.config: OverlapMuonConfig = resolve_config(**options)
+        hp = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, eps=eps,
+                  ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        builder.check_arguments(hp, max_grad_norm, muon_filter)
+        self.max_grad_norm, self.config = max_grad_norm, resolve_config(**options)
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         _OWNERS.claim(model.parameters(), self, "OverlapMuon: another live OverlapMuon already drives this model's "
                       "params; call its close() before building a new one on the same model")
-        # 1. sort, place, check on every rank (builder.py)
+        mesh = dict(device_mesh=device_mesh, remat_dim=remat_dim, tp_dim=tp_dim, tp_group=tp_group,
+                    remat_group=remat_group, expert_mesh=expert_mesh, ep_dim=ep_dim, etp_dim=etp_dim,
+                    etp_group=etp_group)
         placed = builder.place(model, self.config, self._rank, muon_filter=muon_filter, experts=experts, split=split,
-                               max_grad_norm=max_grad_norm, adamw_groups=adamw_groups,
-                               mesh=dict(device_mesh=device_mesh, remat_dim=remat_dim, tp_dim=tp_dim, tp_group=tp_group,
-                                         remat_group=remat_group, expert_mesh=expert_mesh, ep_dim=ep_dim,
-                                         etp_dim=etp_dim, etp_group=etp_group))
+                               max_grad_norm=max_grad_norm, adamw_groups=adamw_groups, mesh=mesh)
         self._muon = placed.muon
-        # 2. the runtime's groups (comm.py), then torch.optim's plumbing: one Muon group, then AdamW's
         comm = builder.make_groups(placed, self.config, self._rank)
-        self.domain = comm.dom_to
-        """This rank's :class:`~overlap_muon.domain.Domain` (sizes R x T, coordinates g, t)."""
-        self.expert_domain = comm.expert[0] if comm.expert else Domain.single()
-        """This rank's expert domain (``1 x ETP``; ``1 x 1`` without ETP or without expert params)."""
-        self._adamw = torch.optim.AdamW(placed.adamw_groups, **(adamw_kwargs or {})) if placed.adamw_groups else None
-        muon_group = dict(params=list({id(m.param): m.param for m in self._muon}.values()), algorithm="muon", lr=lr,
-                          weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                          ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn)
-        groups = [muon_group] + [dict(g, algorithm="adamw") for g in (self._adamw.param_groups if self._adamw else ())]
-        super().__init__(groups, {k: v for k, v in muon_group.items() if k not in ("params", "algorithm")})
+        self.domain, self.expert_domain = comm.dom_to, comm.expert[0] if comm.expert else Domain.single()
+        self._adamw, groups = builder.param_groups(self._muon, placed.adamw_groups, adamw_kwargs, hp)
+        super().__init__(groups, hp)
         self._link_adamw()  # State is created at a param's first gradient, as torch does ([Note: lazy state]).
         self._model_params = list(model.parameters())
         self._param_names = {id(p): n for n, p in model.named_parameters()}
-        # 3. the runtime (pipeline.py) and the plan
         self.stats: dict[str, int] = defaultdict(int)
-        """Counters: ``ns_matrices`` (matrices NS'd on this rank), ``ns_calls`` (zeropower calls),
-        ``waves_launched``, ``reruns`` (waves re-run at ``step()`` because their inputs changed), ``steps``,
-        ``skipped_steps``."""
-        self._build_runtime(comm, ns_steps)
-        # 4. hooks
-        self._phase = StepPhase.IDLE
-        self._step_count = 0
-        self._warned_reruns = False
-        self._handles: list[Any] = []
-        self._tracker: GradReadyTracker | None = None
-        self._waits: ForwardWaits | None = None
-        self._hook(model)
-        self._built = True
+        self._rt = Runtime(self, comm, ns_steps)
+        self._finalizer = self._rt.hook(self, model, weak_callback(self._sync_hook))
+        self._step_count, self._warned_reruns, self._built = 0, False, True
         if ddp is not None:
             self.attach_ddp(ddp)
         if self._rank == 0:
             logger.info("%s", self.config.describe())
 
-    def _build_runtime(self, comm: Any, ns_steps: int) -> None:
-        """The wave pipeline on this rank's groups, and the waves planned in reverse registration order (compared
-        across ranks)."""
-        device = local_tensor(self._muon[0].param).device if self._muon else torch.device("cpu")
-        self._pipeline = WavePipeline(self._muon, self.state, comm.dom_to, comm.dom_from, self.config, device,
-                                      self.stats, comm.ctrl, expert_doms=comm.expert, dp_slots=comm.dp,
-                                      team_group=comm.team)
-        self._async = self.config.overlap and self.config.async_step
-        self._pipeline.keep_momentum = self._async  # the apply runs after step() returns: it must not read .grad
-        self._pipeline.adamw_params = [p for g in self.param_groups[1:] for p in g["params"]]
-        self._index = ParamIndex(self._muon)
-        self._costs = builder.ns_costs(self._muon, ns_steps)
-        self._recorder = ReadinessRecorder(len(self._muon)) if self.config.readiness_order == "observed" else None
-        self._plan(list(reversed(range(len(self._muon)))))
-        check_plan_everywhere(self._muon, self._waves, [p.describe() for p in self._plans])
+    _pipeline = property(lambda self: self._rt.pipeline)
+    _plans = property(lambda self: self._rt.plans)
+    _waves = property(lambda self: self._rt.waves)
+    _index = property(lambda self: self._rt.index)
 
-    def _hook(self, model: nn.Module) -> None:
-        """Gradient-ready hooks (overlap mode), ``async_step``'s forward waits, the ``state_dict`` wait, the version
-        fix; the finalizer that undoes them."""
-        if self.config.overlap and self._muon:
-            self._tracker = GradReadyTracker([m.param for m in self._muon], weak_callback(self._on_ready),
-                                             on_backward_end=weak_callback(self._on_backward_end))
-            self._handles.append(self._tracker)
-            if self._async:  # [Note: the step barrier]: only the asynchronous step needs forward waits
-                self._waits = ForwardWaits(model, self._muon, self._index, self._pipeline, self._handles)
-        self._handles.append(model.register_state_dict_pre_hook(weak_callback(self._sync_hook)))
-        self._fsdp_roots = builder.fsdp_roots(model)
-        if self.config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
-            dtensors = [m.param for m in self._muon if isinstance(m.param, DTensor)]
-            version_fix.acquire(dtensors[0].device_mesh if dtensors else None)
-        self._finalizer = weakref.finalize(self, _remove_all, self._handles, self._pipeline, self.config.overlap)
-
-    # ------------------------------------------------------------------------------------------------------
-    # construction helpers
-    # ------------------------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: params, domain layout, homes, waves and hooks are planned once.
 
@@ -272,53 +160,16 @@ class OverlapMuon(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _link_adamw(self) -> None:
-        """Share state and param-group dicts with the inner AdamW and the pipeline (``load_state_dict`` replaces
-        them), so LR schedulers, ``state_dict`` and the waves see one state."""
-        if getattr(self, "_pipeline", None) is not None:
-            self._pipeline.state = self.state
+        """Share state and param groups with the inner AdamW and the pipeline (``load_state_dict`` replaces them)."""
+        if getattr(self, "_rt", None) is not None:
+            self._rt.pipeline.state = self.state
         if self._adamw is not None:
             self._adamw.state = self.state
             self._adamw.param_groups = self.param_groups[1:]
 
-    def _plan(self, order: list[int]) -> None:
-        """Plan the waves for a gradient-ready ``order`` (``builder.plan``) and hand their frozen plans to the
-        pipeline."""
-        dp = self._pipeline.dp
-        self._waves, self._plans = builder.plan(order, self._muon, self._costs, self.config,
-                                                (self.domain.size, self.expert_domain.size),
-                                                dp.size if dp is not None else 1, self._pipeline.lanes.cuda)
-        self._pipeline.set_plans(self._plans)
-        self._index.wave_of = {i: w.index for w in self._waves for i in w.params}
-        self._dispatcher = WaveDispatcher(self._waves, self._launch)
-
-    # ------------------------------------------------------------------------------------------------------
-    # hooks -> dispatcher -> pipeline; forward waits -> pipeline
-    # ------------------------------------------------------------------------------------------------------
-    def _on_ready(self, first: int) -> None:
-        if self._phase is StepPhase.ACCUMULATING:
-            return
-        for i in self._index.siblings[first]:
-            if self._dispatcher.launched > self._index.wave_of[i]:
-                # A new backward before step(): its gradients supersede the waves already launched.
-                self._pipeline.discard()
-                self._dispatcher.reset()
-            if self._recorder is not None:
-                self._recorder.mark_ready(i)
-            self._dispatcher.mark_ready(i)
-
-    def _on_backward_end(self) -> None:
-        if self._phase is not StepPhase.ACCUMULATING:
-            self._dispatcher.flush()
-
-    def _launch(self, wave: Wave) -> None:
-        self._pipeline.launch(wave, Hyper.of(self.param_groups[0]), committed=self._phase is StepPhase.SYNC_STEP)
-
     def _sync_hook(self, *_: Any) -> None:
         self.synchronize()
 
-    # ------------------------------------------------------------------------------------------------------
-    # public API
-    # ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step: the only call that changes params and optimizer state.
@@ -343,46 +194,26 @@ class OverlapMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._phase = StepPhase.STEP
+        self._rt.phase = StepPhase.STEP
         try:
-            ok = self._prepare_step()
-            self._launch_rest(ok)
+            ok, norm = self._rt.prepare(self.max_grad_norm, self._model_params)
+            self.last_grad_norm = norm if norm is not None else getattr(self, "last_grad_norm", None)
+            self._rt.launch_rest(ok)
             self._commit(ok)
-            self._finish_step()
+            self._rt.finish()
+            self._step_count += 1
+            self.stats["steps"] += 1
         finally:
-            self._phase = StepPhase.IDLE
+            self._rt.phase = StepPhase.IDLE
         return loss
 
-    def _prepare_step(self) -> bool:
-        """Surface earlier lane errors; the non-finite check and the clip. Returns whether the step applies."""
-        self._pipeline.reap()
-        ok = self._pipeline.all_finite() if self.config.skip_nonfinite else True
-        if self.max_grad_norm is not None and ok:
-            # model.parameters() order: the norm of the stacked norms depends on it, as in clip_grad_norm_
-            grads = [p.grad for p in self._model_params if p.grad is not None]
-            self.last_grad_norm, clipped = clip_grads_by_total_norm_(grads, self.max_grad_norm)
-            self.stats["clipped_steps"] += clipped
-        self.stats["skipped_steps"] += not ok
-        return ok
-
-    def _launch_rest(self, ok: bool) -> None:
-        """Launch the waves backward did not. A synchronous step agrees on gradient presence once, first, and its
-        waves then commit their momentum as they pack (:attr:`StepPhase.SYNC_STEP`)."""
-        if ok and not self.config.overlap and not self._pipeline.has_pending():
-            self._pipeline.agree_before_launch()
-            self._phase = StepPhase.SYNC_STEP
-        try:
-            self._dispatcher.flush()
-        finally:
-            self._phase = StepPhase.STEP
-
     def _commit(self, ok: bool) -> None:
-        """Validate the waves (stale ones re-run), queue their applies with the hyper-parameters of now, AdamW."""
-        reruns = self._pipeline.commit(self._waves, self.param_groups[0], validate=self.config.overlap, skip=not ok)
+        """The runtime's commit (stale waves re-run, applies queued with the hyper-parameters of now), then AdamW."""
+        reruns = self._rt.commit(ok)
         if reruns and not self._warned_reruns:
             self._warned_reruns = True
             warnings.warn(
-                f"OverlapMuon: {reruns} of {len(self._waves)} waves were re-run in step() because their inputs "
+                f"OverlapMuon: {reruns} of {len(self._rt.waves)} waves were re-run in step() because their inputs "
                 "changed after backward launched them (gradients edited in place, e.g. clipping, unscaling or a "
                 "collective, DDP averaging without attach_ddp, a changed momentum/NS setting, or optimizer state "
                 "loaded between backward and step). The result is exact; the overlap of those waves is lost.",
@@ -390,35 +221,7 @@ class OverlapMuon(torch.optim.Optimizer):
             )
         if self._adamw is not None and ok:
             self._adamw.step()
-            init_adamw_state(self.param_groups[1:], self.state, self._pipeline.adamw_elsewhere())
-
-    def _finish_step(self) -> None:
-        """Re-plan once from the observed order, then order the updates before what follows: the step barrier, or
-        (``async_step``) the forward waits' policy and a wait for the gradient reads."""
-        if self._recorder is not None and self._recorder.recorded:
-            self._adopt_observed_order()
-        self._dispatcher.reset()
-        self._step_count += 1
-        self.stats["steps"] += 1
-        if self._waits is None:
-            self._barrier()
-            return
-        self._waits.after_step([w.index for w in self._waves])
-        self._pipeline.wait_gradients_read()  # the applies read no gradient: the user may zero them now
-
-    def _barrier(self) -> None:
-        """[Note: the step barrier] The default: ``step()`` orders its updates before anything after it, so every
-        later reader (the next forward, ``model.unshard()``, a step post-hook, ``load_state_dict``, an averager
-        wrapping the optimizer, user code) sees the updated weights. CPU: the host waits for every apply. CUDA: no
-        host sync: the current stream waits on the apply events, and each FSDP2 root gets an event recorded after
-        that wait through ``FSDPModule.set_post_optim_event`` (FSDP2's public hook: its next all-gathers wait on
-        it instead of on the whole current stream). The backward overlap is kept: the waves were launched and
-        validated speculatively; what is given up is the overlap with the next forward (``async_step``)."""
-        self._pipeline.wait([w.index for w in self._waves])
-        if self._pipeline.lanes.cuda and self._fsdp_roots:
-            event = self._pipeline.lanes.current_stream_event()
-            for root in self._fsdp_roots:
-                root.set_post_optim_event(event)
+            init_adamw_state(self.param_groups[1:], self.state, self._rt.pipeline.adamw_elsewhere())
 
     def synchronize(self) -> None:
         """Block until every committed wave has been applied (host waits; on CUDA the device too).
@@ -426,53 +229,38 @@ class OverlapMuon(torch.optim.Optimizer):
         Raises:
             RuntimeError: a lane task failed; its original exception (and traceback) is chained.
         """
-        self._pipeline.synchronize()
+        self._rt.pipeline.synchronize()
 
     def wait_for(self, params: Iterable[Tensor]) -> None:
         """Wait until the committed updates of ``params`` have landed, for readers outside a module's forward
         (EMA, logging, evaluation on the side). CPU: the host waits; CUDA: the current stream waits.
         Non-Muon params are ignored (AdamW updates in ``step()`` itself)."""
-        self._pipeline.wait(self._index.waves_of(self._index.of_tensors(params)))
+        self._rt.pipeline.wait(self._rt.index.waves_of(self._rt.index.of_tensors(params)))
 
     def register_wait(self, module: nn.Module, params: Iterable[Tensor]) -> None:
         """``async_step``: make ``module``'s forward wait for ``params``' updates (a precise wait point for weights
         read outside the forward of the module that owns them, e.g. a fused QKV built in the parent's forward).
         The default step needs none (its updates have landed when it returns): then this does nothing."""
-        if self._waits is not None:
-            self._waits.register_wait(module, params)
-
-    def _adopt_observed_order(self) -> None:
-        """After the first step: broadcast rank 0's observed readiness order and re-plan the waves with it."""
-        assert self._recorder is not None
-        self.synchronize()
-        order = [self._recorder.order()]
-        if self._pipeline.ctrl_group is not None:
-            dist.broadcast_object_list(order, src=0, group=self._pipeline.ctrl_group)
-        self._recorder = None
-        self._plan(list(order[0]))
+        if self._rt.waits is not None:
+            self._rt.waits.register_wait(module, params)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside launch nothing; the first backward after it launches
         the waves on the accumulated gradients, so NS runs once per matrix per optimizer step."""
-        prev = self._phase
-        self._phase = StepPhase.ACCUMULATING
-        if self._tracker is not None:
-            self._tracker.enabled = False
+        prev = self._rt.set_phase(StepPhase.ACCUMULATING)
         try:
             yield
         finally:
-            self._phase = prev
-            if self._tracker is not None:
-                self._tracker.enabled = prev is not StepPhase.ACCUMULATING
+            self._rt.set_phase(prev)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Like ``Optimizer.zero_grad``; also drops the waves backward launched since the last ``step()``.
 
         No committed update reads a gradient after ``step()`` has returned (the default step waits for its
         applies; ``async_step`` keeps each wave's new momentum), so zeroing in place needs no wait."""
-        self._pipeline.discard()
-        self._dispatcher.reset()
+        self._rt.pipeline.discard()
+        self._rt.dispatcher.reset()
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
@@ -497,10 +285,11 @@ class OverlapMuon(torch.optim.Optimizer):
                 this optimizer's, or a state tensor's shape differs from its param's. Nothing is changed then.
         """
         self.synchronize()
-        self._pipeline.discard()
+        self._rt.pipeline.discard()
         errors = checkpoint_errors(state_dict, self._muon, self.param_groups, self._param_names)
         if errors:
-            raise ValueError("OverlapMuon.load_state_dict: checkpoint does not fit; nothing loaded: " + "; ".join(errors))
+            raise ValueError("OverlapMuon.load_state_dict: checkpoint does not fit; nothing loaded: "
+                             + "; ".join(errors))
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "overlap_muon"})
         self._link_adamw()
         if self._adamw is not None:
@@ -524,16 +313,7 @@ class OverlapMuon(torch.optim.Optimizer):
 
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"attach_ddp expects a DistributedDataParallel, got {type(ddp_model).__name__}")
-        if not self.config.overlap or not self._muon:
-            return
-        if self._tracker is not None:
-            self._tracker.remove()
-            self._tracker = None
-        on_ready = weak_callback(self._on_ready)
-        state, hook = ddp_readiness_hook(lambda idx: [on_ready(i) for i in idx],
-                                         dict(self._index.first),
-                                         process_group=ddp_model.process_group)
-        ddp_model.register_comm_hook(state, hook)
+        self._rt.attach_ddp(ddp_model)
 
     def close(self) -> None:
         """Wait for everything, remove the hooks and stop the lane threads. Idempotent."""
@@ -550,12 +330,12 @@ class OverlapMuon(torch.optim.Optimizer):
     @property
     def waves(self) -> list[Wave]:
         """The current wave plan (param indices into :attr:`muon_param_names`)."""
-        return list(self._waves)
+        return list(self._rt.waves)
 
     @property
     def wave_plans(self) -> list[Any]:
         """The frozen plan of every wave (``overlap_muon.scheduler.kinds.WavePlan``: params, homes, exchange kind)."""
-        return list(self._plans)
+        return list(self._rt.plans)
 
     @property
     def muon_param_names(self) -> list[str]:

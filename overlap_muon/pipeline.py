@@ -51,7 +51,7 @@ from .agreement import Agreement, max_everywhere
 from .domain import Domain, MuonParam
 from .lanes import Lanes
 from .exchanges import Exchange, ExchangeContext, Leg, Local, build_exchange, run_collective
-from .muon_math import apply_update, momentum_update, momentum_update_, ns_input
+from .muon_math import CommitAtApply, CommitAtPack, KeepForApply, apply_update, ns_input
 from .ns import zeropower_each
 from .profiling import prof_range, wave_range_name
 from .state import committed_momentum, create_momentum
@@ -142,7 +142,8 @@ class WavePipeline(Agreement):
         """
         items = [i for i in wave.params if self.muon[i].param.grad is not None]
         grads = [self.muon[i].param.grad for i in items]
-        st = WaveState(wave, items, hyper, grads, [versions(g) for g in grads], momentum_done=committed)
+        how = CommitAtPack() if committed else KeepForApply() if self.keep_momentum else CommitAtApply()
+        st = WaveState(wave, items, hyper, grads, [versions(g) for g in grads], momentum=how)
         if committed:
             create_momentum(self.state, [self.muon[i] for i in items])
         self.stats["waves_launched"] += 1
@@ -156,7 +157,9 @@ class WavePipeline(Agreement):
             with self._lock:
                 writers = [a.h_apply for a in self._applied.values()
                            if a.h_apply is not None and not a.h_apply.done() and set(a.items) & set(items)]
-            st.h_pack = self.lanes.submit("to_home", lambda: self._pack_task(st, check), deps=writers)
+            if check:  # [Note: gradient presence without the device] in agreement.py
+                st.h_check = self.lanes.submit("to_home", lambda: self._check_task(st), deps=writers)
+            st.h_pack = self.lanes.submit("to_home", lambda: self._pack_task(st), deps=writers + st.handles())
             st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st), deps=[st.h_pack])
             st.h_ns = self.lanes.submit("compute", lambda: self._ns_task(st), deps=[st.h_to])
             st.h_from = self.lanes.submit("from_home", lambda: self._from_home_task(st), deps=[st.h_ns])
@@ -167,15 +170,17 @@ class WavePipeline(Agreement):
             self._pending[wave.index] = st
         return st
 
-    def _pack_task(self, st: WaveState, check: bool) -> None:
+    def _check_task(self, st: WaveState) -> None:
+        """The ranks of the wave's domain agree on which of its params have a gradient, before any exchange."""
+        dom = self._doms[st.wave.domain][0]
+        self._run(st.wave.index, st.items, "a2a_to_home", dom, lambda: self._agree_on_gradients(st), "all_to_all")
+
+    def _pack_task(self, st: WaveState) -> None:
         """The wave's only reads of ``.grad``: new momentum, Nesterov, bf16 cast; then its legs (one per exchange)."""
-        k, dom = st.wave.index, self._doms[st.wave.domain][0]
-        if check:
-            self._run(k, st.items, "a2a_to_home", dom, lambda: self._agree_on_gradients(st), "all_to_all")
         if not st.items:
             st.empty = True
             return
-        mps = [self.muon[i] for i in st.items]
+        k, mps = st.wave.index, [self.muon[i] for i in st.items]
         main, local = self.exchanges[k]
         with prof_range(wave_range_name(k, "pack"), nvtx=self.config.nvtx):
             st.packed = self._pack(st, mps, [not m.replicated and not main.needs_input(m) for m in mps])
@@ -185,19 +190,12 @@ class WavePipeline(Agreement):
                    for e, pos in ((main, ex), (local, rep)) if pos]
 
     def _pack(self, st: WaveState, mps: list[MuonParam], skip: list[bool]) -> list[Tensor | None]:
-        """The NS input of each item (bf16 shards; ``None`` where ``skip``: another replica computes it)."""
+        """The NS input of each item (bf16 shards; ``None`` where ``skip``: another replica computes it). The new
+        momentum is made as the wave's commit policy says (``st.momentum``: out of place, kept, or in place)."""
         h = st.hyper
         grads = [m.local(g) for m, g in zip(mps, st.grads)]
-        if st.momentum_done:  # a synchronous step: commit in place (torch's own op), no copy
-            news = [m.local(self.state[m.param]["momentum_buffer"]) for m in mps]
-            for b, g in zip(news, grads):
-                momentum_update_(b, g, h.momentum)
-        else:
-            # The new momentum lives only as long as the NS input needs it; the apply recomputes it in place
-            # (the same op on the same values: bitwise the same), so a speculative wave holds no momentum copy,
-            # unless the apply runs after step() returns (async_step): then it keeps it.
-            news = [momentum_update(committed_momentum(self.state, m, g), g, h.momentum) for m, g in zip(mps, grads)]
-            st.momenta = news if self.keep_momentum else None
+        bufs = [committed_momentum(self.state, m, g) for m, g in zip(mps, grads)]
+        news = st.momentum.pack(bufs, grads, h.momentum)
         return [None if s else ns_input(g, n, h.momentum, h.nesterov) for s, n, g in zip(skip, news, grads)]
 
     def _to_home_task(self, st: WaveState) -> None:
@@ -238,10 +236,7 @@ class WavePipeline(Agreement):
                 for j, i in enumerate(st.items):
                     m = self.muon[i]
                     buf = m.local(self.state[m.param]["momentum_buffer"])
-                    if st.momenta is not None:
-                        buf.copy_(st.momenta[j])
-                    elif not st.momentum_done:
-                        momentum_update_(buf, m.local(st.grads[j]), st.hyper.momentum)
+                    st.momentum.commit(j, buf, m.local(st.grads[j]), st.hyper.momentum)
                     p, u = m.local(m.param), st.updates[j]
                     if m.transposed:  # apply to the (out, in) matrix torch's nn.Linear reference updates
                         p, u = p.T, u.T

@@ -20,8 +20,7 @@ from . import builder, version_fix
 from .checks import check_plan_everywhere
 from .clip import clip_grads_by_total_norm_
 from .comm import CommContext
-from .config import OverlapMuonConfig
-from .domain import MuonParam, local_tensor
+from .domain import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
 from .hooks import GradReadyTracker, ddp_readiness_hook, weak_callback
 from .pipeline import WavePipeline
@@ -64,14 +63,18 @@ class Runtime:
     """The plan, the hooks and the step's machinery of one optimizer.
 
     Args:
-        muon: the Muon params; comm: the groups (``comm.build_comm``); config: the options; stats: the optimizer's
-        counters; state: the optimizer's ``state``; adamw_params: the AdamW params (their gradient presence is
-        agreed too); ns_steps: for the NS cost; muon_group: returns the optimizer's Muon param group now.
+        opt: the optimizer (held weakly): its Muon params, options, counters, state and param groups (the Muon
+            group's hyper-parameters are read at each launch and commit; the AdamW params' gradient presence is
+            agreed too).
+        comm: the groups (``comm.build_comm``).
+        ns_steps: for the NS cost.
     """
 
-    def __init__(self, muon: list[MuonParam], comm: CommContext, config: OverlapMuonConfig, stats: dict[str, int],
-                 state: dict, adamw_params: list[Tensor], ns_steps: int, muon_group: Callable[[], dict]) -> None:
-        self.muon, self.config, self._group = muon, config, muon_group
+    def __init__(self, opt: Any, comm: CommContext, ns_steps: int) -> None:
+        ref = weakref.ref(opt)
+        muon, config, stats, state = opt._muon, opt.config, opt.stats, opt.state
+        adamw_params = [p for g in opt.param_groups[1:] for p in g["params"]]
+        self.muon, self.config, self._group = muon, config, lambda: ref().param_groups[0]
         device = local_tensor(muon[0].param).device if muon else torch.device("cpu")
         self.pipeline = WavePipeline(muon, state, comm.dom_to, comm.dom_from, config, device, stats, comm.ctrl,
                                      expert_doms=comm.expert, dp_slots=comm.dp, team_group=comm.team)

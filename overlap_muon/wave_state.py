@@ -61,26 +61,26 @@ class WaveState:
     each holds its matrices, results and route (``pack``; released after ``from_home``)."""
     updates: list[Tensor] | None = None
     """Shards, bf16: this rank's block of each NS result (``from_home``; released after the apply)."""
-    momenta: list[Tensor] | None = None
-    """Shards: the new momentum of each item (``to_home``, only with ``async_step``, whose apply runs after
-    ``step()`` returns and so must not read ``.grad``; released after the apply)."""
     empty: bool = False
     """No rank of the domain has a gradient for this wave (``to_home``): nothing to apply."""
     # Handles. On CUDA each carries an event recorded by its lane after its kernels. Who waits on it:
-    # h_pack -- the gather (h_to), and async_step's step(), which returns once every gradient has been read;
+    # h_check -- the pack (the presence check, when the wave runs one); h_pack -- the gather (h_to), and
+    # async_step's step(), which returns once every gradient has been read;
     # h_to -- the compute lane (h_ns's dependency); h_ns -- the from_home lane; h_from -- the apply task;
     # h_apply -- forward pre-hooks (current stream, FSDP2's all-gather streams), synchronize(), reap().
+    h_check: LaneHandle | None = None
     h_pack: LaneHandle | None = None
     h_to: LaneHandle | None = None
     h_ns: LaneHandle | None = None
     h_from: LaneHandle | None = None
     h_apply: LaneHandle | None = None
     committed: bool = False
-    momentum_done: bool = False
-    """A synchronous step's wave: its pack committed the new momentum in place (``launch(committed=True)``)."""
+    momentum: Any = None
+    """How the wave commits its momentum (``muon_math.CommitAtApply`` / ``KeepForApply`` / ``CommitAtPack``, chosen
+    at launch; the one that keeps the new momentum holds it until the apply)."""
 
     def handles(self) -> list[LaneHandle]:
-        return [h for h in (self.h_pack, self.h_to, self.h_ns, self.h_from, self.h_apply) if h is not None]
+        return [h for h in (self.h_check, self.h_pack, self.h_to, self.h_ns, self.h_from, self.h_apply) if h is not None]
 
     def done(self) -> bool:
         """Every queued task has finished (CPU: host side; CUDA: its event has completed). Never blocks."""
@@ -88,7 +88,7 @@ class WaveState:
 
     def release(self) -> None:
         """Drop every tensor the wave holds."""
-        self.grads = self.packed = self.legs = self.updates = self.momenta = None
+        self.grads = self.packed = self.legs = self.updates = self.momentum = None
 
 
 def versions(grad: Tensor) -> tuple[int, int]:

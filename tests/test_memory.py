@@ -15,13 +15,14 @@ import pytest
 import torch
 
 import overlap_muon.exchanges as exchanges_mod
+import overlap_muon.muon_math as math_mod
 import overlap_muon.ns as ns_mod
 import overlap_muon.pipeline as pipeline_mod
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, TinyNet, build_dtensor_model
 
-WRAPPED = ((pipeline_mod, "momentum_update"), (pipeline_mod, "ns_input"), (exchanges_mod, "to_homes"),
+WRAPPED = ((math_mod, "momentum_update"), (pipeline_mod, "ns_input"), (exchanges_mod, "to_homes"),
            (exchanges_mod, "from_homes"), (exchanges_mod, "all_gather_full"), (ns_mod, "zeropower"))
 
 

@@ -48,6 +48,26 @@ def _differ(a: nn.Module, b: nn.Module) -> list[str]:
     return [n for (n, p), q in zip(a.named_parameters(), b.parameters()) if not torch.equal(local(p).detach(), q)]
 
 
+def _train(model, opt, ref, ref_opts, steps, between=None) -> None:
+    """The same loop on both: forward, backward, ``between(m, opts, s)``, step, zero_grad."""
+    for s in steps:
+        for m, opts in ((model, [opt]), (ref, ref_opts)):
+            m(X[s]).pow(2).mean().backward()
+            if between is not None:
+                between(m, opts, s)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+
+
+def _finish(model, opt, ref) -> list[str]:
+    """Wait for everything, compare with the reference, close."""
+    opt.synchronize()
+    bad = _differ(model, ref)
+    opt.close()
+    return bad
+
+
 def _state_bytes(*opts: torch.optim.Optimizer) -> int:
     return sum(local(v).numel() * v.element_size() for o in opts for st in o.state.values() for v in st.values()
                if isinstance(v, torch.Tensor))
@@ -67,9 +87,7 @@ def test_1_zero_grad_in_place_right_after_step(mode):
             for o in opts:
                 o.step()
             m.zero_grad(set_to_none=False)
-    opt.synchronize()
-    assert not _differ(model, ref)
-    opt.close()
+    assert not _finish(model, opt, ref)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -81,27 +99,15 @@ def test_2_model_load_state_dict_right_after_warmup_steps():
     model, opt, ref, ref_opts = _pair()
     init_model, init_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     init_ref = [copy.deepcopy(o.state_dict()) for o in ref_opts]
-    for s in range(2):
-        for m, opts in ((model, [opt]), (ref, ref_opts)):
-            m(X[s]).pow(2).mean().backward()
-            for o in opts:
-                o.step()
-                o.zero_grad()
+    _train(model, opt, ref, ref_opts, range(2))
     model.load_state_dict(init_model)
     opt.load_state_dict(init_opt)
     ref.load_state_dict(init_model)
     for o, sd in zip(ref_opts, init_ref):
         o.load_state_dict(sd)
     assert not _differ(model, ref)  # the reloaded weights stay as loaded
-    for s in range(2, 5):
-        for m, opts in ((model, [opt]), (ref, ref_opts)):
-            m(X[s]).pow(2).mean().backward()
-            for o in opts:
-                o.step()
-                o.zero_grad()
-    opt.synchronize()
-    assert not _differ(model, ref)
-    opt.close()
+    _train(model, opt, ref, ref_opts, range(2, 5))
+    assert not _finish(model, opt, ref)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,12 +119,7 @@ def test_3_step_post_hook_reads_updated_weights():
     seen, ref_seen = [], []
     opt.register_step_post_hook(lambda *_: seen.append([p.detach().clone() for p in model.parameters()]))
     ref_opts[1].register_step_post_hook(lambda *_: ref_seen.append([p.detach().clone() for p in ref.parameters()]))
-    for s in range(3):
-        for m, opts in ((model, [opt]), (ref, ref_opts)):
-            m(X[s]).pow(2).mean().backward()
-            for o in opts:
-                o.step()
-                o.zero_grad()
+    _train(model, opt, ref, ref_opts, range(3))
     assert len(seen) == len(ref_seen) == 3
     assert all(torch.equal(a, b) for snap, ref_snap in zip(seen, ref_seen) for a, b in zip(snap, ref_snap))
     opt.close()
@@ -227,19 +228,12 @@ def test_6_gradual_unfreezing_with_weights_read_in_a_parent(mode):
     opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, wave_slots=1, **HP, **SLOW, **mode)
     ref_opts = _ref_opts(ref)
     with pytest.warns(UserWarning, match="q.weight") if mode else contextlib.nullcontext():
-        for s in range(5):
-            if s == 2:
-                for m in (model, ref):
-                    for lin in (m.q, m.k, m.v):
-                        lin.weight.requires_grad_(True)
-            for m, opts in ((model, [opt]), (ref, ref_opts)):
-                m(X[s]).pow(2).mean().backward()
-                for o in opts:
-                    o.step()
-                    o.zero_grad()
-    opt.synchronize()
-    assert not _differ(model, ref)
-    opt.close()
+        _train(model, opt, ref, ref_opts, range(2))
+        for m in (model, ref):
+            for lin in (m.q, m.k, m.v):
+                lin.weight.requires_grad_(True)
+        _train(model, opt, ref, ref_opts, range(2, 5))
+    assert not _finish(model, opt, ref)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -250,22 +244,12 @@ def test_7_optimizer_load_state_dict_between_backward_and_step(mode):
     """A spike guard reloads the last good optimizer state after backward. Bug: that step applied no Muon update
     at all (the waves backward had launched were dropped and never launched again)."""
     model, opt, ref, ref_opts = _pair(**mode)
-    good = ref_good = None
-    for s in range(4):
-        for m, opts in ((model, [opt]), (ref, ref_opts)):
-            m(X[s]).pow(2).mean().backward()
-            if s == 2:
-                for o, sd in zip(opts, good if m is model else ref_good):
-                    o.load_state_dict(sd)
-            for o in opts:
-                o.step()
-                o.zero_grad()
-        if s == 1:
-            good = [copy.deepcopy(opt.state_dict())]
-            ref_good = [copy.deepcopy(o.state_dict()) for o in ref_opts]
-    opt.synchronize()
-    assert not _differ(model, ref)
-    opt.close()
+    _train(model, opt, ref, ref_opts, range(2))
+    good = {id(o): copy.deepcopy(o.state_dict()) for o in [opt, *ref_opts]}
+    _train(model, opt, ref, ref_opts, range(2, 3), between=lambda m, opts, s: [o.load_state_dict(good[id(o)])
+                                                                              for o in opts])
+    _train(model, opt, ref, ref_opts, range(3, 4))
+    assert not _finish(model, opt, ref)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -352,14 +336,8 @@ def test_9_lora_frozen_base_costs_no_optimizer_memory():
     opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, **HP)
     ref_opts = _ref_opts(ref)
     assert _state_bytes(opt) == 0
-    for s in range(3):
-        for m, opts in ((model, [opt]), (ref, ref_opts)):
-            m(X[s]).pow(2).mean().backward()
-            for o in opts:
-                o.step()
-                o.zero_grad()
+    _train(model, opt, ref, ref_opts, range(3))
     opt.synchronize()
-    assert not _differ(model, ref)
     assert _state_bytes(opt) == _state_bytes(*ref_opts) > 0
     assert len(opt.state) == sum(len(o.state) for o in ref_opts)
-    opt.close()
+    assert not _finish(model, opt, ref)

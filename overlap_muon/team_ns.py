@@ -28,18 +28,7 @@ amplifies rounding noise outside the input's span and the bitwise path itself is
 So the per-step update bound of ``tests/test_surplus.py`` (``lr * ratio * 2**-7``) holds for full-rank gradients
 only. The bench's ``surplus`` case reports the difference with the latency.
 
-[Note: team NS by rows] The older split, :func:`team_zeropower`, keeps each member's row block ``X_j`` of ``X``::
-
-    A_j = X_j @ Xᵀ                            # (m_j, m): needs the full X
-    B_j = addmm(A_j, A_j, A, beta=b, alpha=c)  # (m_j, m): needs the full A  -> all-gather A_j
-    X_j = addmm(X_j, B_j, X, beta=a)           # (m_j, n): needs the full X  -> all-gather X_j (next step)
-
-Every product is a row block of the reference's, so it is bitwise wherever the GEMM library picks the same kernel
-(and fp32 accumulation order) for the row block as for the whole product, which it need not do (the same effect as
-``overlap_muon.ns`` [Note: symmetric Gram]); but it all-gathers ``A`` and ``X`` (``m*n`` elements) every step,
-``2 * ns_steps`` all-gathers (``+1`` with ``gather_result``), which costs more than it saves unless the link is
-fast. Gathers are padded to the largest block (gloo needs equal sizes). A ``None`` or size-1 group does no
-communication (one code path for world size 1) in either split.
+A ``None`` or size-1 group does no communication (one code path for world size 1).
 """
 
 from __future__ import annotations
@@ -54,7 +43,7 @@ from .layout import team_row_counts
 
 from .ns import DEFAULT_NS_COEFFICIENTS, SYRK_BLOCK, Coefficients, _check_block, _schedule, sym_gram, sym_poly
 
-__all__ = ["team_zeropower", "team_zeropower_full", "team_zeropower_blocks", "team_norms", "team_row_counts"]
+__all__ = ["team_zeropower_full", "team_zeropower_blocks", "team_norms", "team_row_counts"]
 
 
 def _team(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -191,68 +180,6 @@ def _gather_rows(block: Tensor, counts: Sequence[int], group: dist.ProcessGroup 
     return torch.cat([p[:c] for p, c in zip(parts, counts)], dim=0)
 
 
-def team_zeropower(
-    x_rows: Tensor,
-    group: dist.ProcessGroup | None,
-    row_counts: Sequence[int],
-    *,
-    ns_coefficients: Coefficients = DEFAULT_NS_COEFFICIENTS,
-    ns_steps: int = 5,
-    eps: float = 1e-7,
-    tall: bool = False,
-    gather_result: bool = False,
-) -> Tensor:
-    """This member's share of NS on one matrix split by rows over ``group``; see [Note: team NS by rows].
-
-    Collective over ``group``: every member calls it with the same ``row_counts``, coefficients and steps.
-
-    Args:
-        x_rows: ``(row_counts[j], n)`` row block ``j`` (``j`` = this rank's index in ``group``) of the ORIENTED
-            matrix ``X`` (``(m, n)``, ``m = sum(row_counts)``; for a tall ``(P, Q)`` update, ``X`` is its
-            transpose), any float dtype; cast to bf16 as the reference does.
-        group: the team; ``None`` or size 1 runs alone.
-        row_counts: rows per member in group-rank order, e.g. :func:`team_row_counts` ``(m, k)``; zeros allowed.
-        ns_coefficients, ns_steps, eps: as :func:`overlap_muon.ns.zeropower`.
-        tall: the update was tall (``P > Q``) and ``X`` is its transpose: the norm is then taken on the
-            ``(P, Q)`` layout, as ``zeropower`` takes it.
-        gather_result: return the whole ``(m, n)`` result (one more all-gather) instead of this member's rows.
-
-    Returns:
-        bf16 ``(row_counts[j], n)`` (or ``(m, n)`` with ``gather_result``), oriented like ``X``.
-
-    Raises:
-        ValueError: ``x_rows`` is not 2-D, ``row_counts`` does not have one entry per member, has a negative
-            entry, or does not match ``x_rows``'s rows; malformed coefficients or steps.
-    """
-    k, j = _team(group)
-    counts = [int(c) for c in row_counts]
-    if x_rows.ndim != 2:
-        raise ValueError(f"team_zeropower expects this member's (rows, n) block, got shape {tuple(x_rows.shape)}")
-    if len(counts) != k or any(c < 0 for c in counts):
-        raise ValueError(f"row_counts {counts} must hold one count >= 0 per member of the team of {k}")
-    if counts[j] != x_rows.size(0):
-        raise ValueError(
-            f"member {j} of the team holds {x_rows.size(0)} rows but row_counts[{j}] = {counts[j]} (row_counts {counts})"
-        )
-    steps = _schedule(ns_coefficients, ns_steps)
-    full = _gather_rows(x_rows.bfloat16(), counts, group)  # (m, n)
-    # The norm on zeropower's layout: it normalizes the (P, Q) tensor's transposed view when tall.
-    src = full.mT.contiguous().mT if tall else full
-    x = full / src.norm().clamp(min=eps)
-    lo = sum(counts[:j])
-    xr = x[lo : lo + counts[j]]
-    for t, (a, b, c) in enumerate(steps):
-        ar = xr @ x.mT  # (m_j, m)
-        gram = _gather_rows(ar, counts, group)  # (m, m)
-        br = torch.addmm(ar, ar, gram, beta=b, alpha=c)
-        xr = torch.addmm(xr, br, x, beta=a)  # (m_j, n)
-        if t + 1 < len(steps):
-            x = _gather_rows(xr, counts, group)
-    if gather_result:
-        return _gather_rows(xr, counts, group) if steps else x
-    return xr if steps else xr.clone()
-
-
 def team_zeropower_full(
     X: Tensor,
     group: dist.ProcessGroup | None,
@@ -260,43 +187,31 @@ def team_zeropower_full(
     ns_coefficients: Coefficients = DEFAULT_NS_COEFFICIENTS,
     ns_steps: int = 5,
     eps: float = 1e-7,
-    split: str = "cols",
     split_poly: bool = False,
 ) -> Tensor:
     """NS of a full ``(P, Q)`` matrix that every member of ``group`` holds, shared by the team.
 
-    Orients ``X`` like ``torch.optim.Muon`` (transpose when ``P > Q``). ``split="cols"`` ([Note: team NS by
-    columns]): each member normalizes the whole matrix as ``zeropower`` does, runs :func:`team_zeropower_blocks` on
-    its column block and the team all-gathers the blocks. ``split="rows"`` ([Note: team NS by rows]): this member's
-    rows (:func:`team_row_counts`) through :func:`team_zeropower` with ``gather_result=True``. Collective over
-    ``group``.
+    Orients ``X`` like ``torch.optim.Muon`` (transpose when ``P > Q``); each member normalizes the whole matrix as
+    ``zeropower`` does, runs :func:`team_zeropower_blocks` on its column block ([Note: team NS by columns]) and the
+    team all-gathers the blocks. Collective over ``group``.
 
     Args:
         X: ``(P, Q)`` float tensor, the same on every member.
         group: the team; ``None`` or size 1 runs alone.
         ns_coefficients, ns_steps, eps: as :func:`overlap_muon.ns.zeropower`.
-        split: ``"cols"`` or ``"rows"``.
-        split_poly: with ``"cols"``, also split ``b*A + c*A@A`` by rows (:func:`team_zeropower_blocks`).
+        split_poly: also split ``b*A + c*A@A`` by rows (:func:`team_zeropower_blocks`).
 
     Returns:
         bf16 ``(P, Q)``, the same on every member.
 
     Raises:
-        ValueError: ``X`` is not 2-D; an unknown ``split``; malformed coefficients or steps.
+        ValueError: ``X`` is not 2-D; malformed coefficients or steps.
     """
     if X.ndim != 2:
         raise ValueError(f"team_zeropower_full expects a (P, Q) matrix, got shape {tuple(X.shape)}")
-    if split not in ("cols", "rows"):
-        raise ValueError(f"team_zeropower_full: split must be 'cols' or 'rows', got {split!r}")
     k, j = _team(group)
     tall = X.size(0) > X.size(1)
     x = X.mT if tall else X
-    if split == "rows":
-        counts = team_row_counts(x.size(0), k)
-        lo = sum(counts[:j])
-        out = team_zeropower(x[lo : lo + counts[j]], group, counts, ns_coefficients=ns_coefficients,
-                             ns_steps=ns_steps, eps=eps, tall=tall, gather_result=True)
-        return out.mT if tall else out
     xb = X.bfloat16()
     norm = (xb.mT if tall else xb).norm()  # zeropower's norm, on zeropower's layout: bitwise the same
     counts = team_row_counts(x.size(1), k)  # torch.chunk sizes of the long dim

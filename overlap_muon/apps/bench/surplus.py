@@ -1,16 +1,16 @@
 """Bench case ``surplus``: the team NS kernel, the optimizer's surplus policies, and the simulator at 70B.
 
 The team NS kernel alone (``overlap_muon.team_ns.team_zeropower_full``, not the optimizer): a 2048x8192 matrix
-(``--quick``: 512x2048) at world 2 (gloo, 1 thread per rank), split by columns ([Note: team NS by columns])
-and, for comparison, by rows, against ``zeropower`` of the whole matrix on rank 0 while rank 1 waits,
+(``--quick``: 512x2048) at world 2 (gloo, 1 thread per rank), split by columns ([Note: team NS by columns]),
+against ``zeropower`` of the whole matrix on rank 0 while rank 1 waits,
 interleaved, each timed between barriers. ``single_over_team_world2``: single-rank latency over the column
 team's (> 1: the team is faster). ``idle_over_duplicate_last_wave_world2``: the optimizer itself, one such
 matrix row-sharded over TP 2 (one wave, one surplus home), ``step()`` to its last apply with
 ``surplus="idle"`` over ``"duplicate"`` (> 1: duplicating is faster; the details say whether both gave the
 same params); ``idle_over_team_last_wave_world2`` the same with ``"team"`` (the issue's goal: >= 1.6). The
 details also time the column team's matmuls alone on both ranks at once (no collectives): the compute part,
-which on a shared 2-core machine shows how much the two ranks slow each other; and the exactness of both
-splits against ``zeropower`` (bitwise or not, max abs and relative Frobenius difference).
+which on a shared 2-core machine shows how much the two ranks slow each other; and the exactness of the
+team against ``zeropower`` (bitwise or not, max abs and relative Frobenius difference).
 ``sim_70b_{idle,best}_exposed_fraction``: :mod:`overlap_muon.apps.simulate` on the 70B preset (TP 8, remat 8, DP 16),
 exposed optimizer fraction with idle surplus and with the best of ``duplicate`` / ``team`` / ``auto`` at
 ``dp_slots`` 1 and 4 (the issue's goal: <= 0.02).
@@ -44,8 +44,8 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
     x = X.mT if shape[0] > shape[1] else X
     counts = team_row_counts(x.size(1), world)
     lo = sum(counts[:rank])
-    times: dict[str, list[float]] = {"single_s": [], "team_s": [], "team_rows_s": [], "team_compute_s": []}
-    single = team = rows = None
+    times: dict[str, list[float]] = {"single_s": [], "team_s": [], "team_compute_s": []}
+    single = team = None
     split_poly = team_splits_poly(tuple(X.shape), world, CPU_GLOO)  # as the runtime decides on a CPU job
     xb = (x.bfloat16() / x.bfloat16().norm()).contiguous()
     xc = xb[:, lo : lo + counts[rank]].contiguous()
@@ -60,9 +60,6 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
         team = team_zeropower_full(X, group, ns_steps=steps, split_poly=split_poly)
         dist.barrier()
         t2 = time.perf_counter()
-        rows = team_zeropower_full(X, group, ns_steps=steps, split="rows")
-        dist.barrier()
-        t3 = time.perf_counter()
         # The column team's matmuls alone, every rank at once, no collectives: its compute under this machine's
         # contention.
         y, brows = xc, slice(sum(team_row_counts(x.size(0), world)[:rank]),
@@ -75,17 +72,16 @@ def _surplus_rank(rank: int, world: int, shape: tuple[int, int], steps: int, war
             else:
                 y = torch.addmm(y, torch.addmm(gram, g, g, beta=-4.775, alpha=2.0315), y, beta=3.4445)
         dist.barrier()
-        t4 = time.perf_counter()
+        t3 = time.perf_counter()
         if r >= warmup:
-            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
                 times[k].append(v)
     out: dict[str, Any] = dict(times, split_poly=split_poly)
     out.update(_last_wave_latency(rank, world, X, warmup, repeats))
     if rank == 0:
-        for key, got in (("", team), ("rows_", rows)):
-            diff = (got.float() - single.float()).abs()
-            out.update({f"{key}bitwise": bool(torch.equal(got, single)), f"{key}max_abs_diff": float(diff.max()),
-                        f"{key}rel_fro_diff": float(diff.norm() / single.float().norm())})
+        diff = (team.float() - single.float()).abs()
+        out.update({"bitwise": bool(torch.equal(team, single)), "max_abs_diff": float(diff.max()),
+                    "rel_fro_diff": float(diff.norm() / single.float().norm())})
     return out
 
 
@@ -143,7 +139,6 @@ def run(o: _Options) -> _CaseResult:
     res = _run_ranks(_surplus_rank, world, shape, steps, warmup, repeats, timeout_s=o.timeout_s)
     single = _median(_max_over_ranks([r["single_s"] for r in res]))
     team = _median(_max_over_ranks([r["team_s"] for r in res]))
-    rows = _median(_max_over_ranks([r["team_rows_s"] for r in res]))
     compute = _median(_max_over_ranks([r["team_compute_s"] for r in res]))
     ratio = _ratio(single, team)
     ex = res[0]
@@ -162,14 +157,13 @@ def run(o: _Options) -> _CaseResult:
     best = sims[best_key]
     lines = [
         f"team NS of one {shape[0]}x{shape[1]} matrix, world {world} (gloo, 1 thread per rank): single rank "
-        f"{_ms(single).strip()}, team by columns {_ms(team).strip()}, single / team = {ratio:.3f}; by rows "
-        f"{_ms(rows).strip()}, single / rows = {_ratio(single, rows) or 0:.3f}" if ratio else "unavailable",
+        f"{_ms(single).strip()}, team by columns {_ms(team).strip()}, single / team = {ratio:.3f}"
+        if ratio else "unavailable",
         f"the column team's matmuls alone (both ranks at once, no collectives) {_ms(compute).strip()}: the rest of "
         f"its time, {_ms(max(0.0, team - compute)).strip()}, is its {steps} Gram all-reduces"
         + (f", {steps} all-gathers of B" if ex["split_poly"] else "") + ", the norm and the final all-gather",
-        f"team vs zeropower: by columns bitwise {ex['bitwise']}, max abs {ex['max_abs_diff']:.3g}, relative "
-        f"Frobenius {ex['rel_fro_diff']:.3g}; by rows bitwise {ex['rows_bitwise']}, max abs "
-        f"{ex['rows_max_abs_diff']:.3g}, relative Frobenius {ex['rows_rel_fro_diff']:.3g}",
+        f"team vs zeropower: bitwise {ex['bitwise']}, max abs {ex['max_abs_diff']:.3g}, relative "
+        f"Frobenius {ex['rel_fro_diff']:.3g}",
         f"OverlapMuon, one {shape[0]}x{shape[1]} matrix over TP {world}, step() to last apply: surplus idle "
         f"{_ms(lw_idle).strip()}, duplicate {_ms(lw_dup).strip()}, team {_ms(lw_team).strip()}; idle / duplicate = "
         + (f"{lw_ratio:.3f}" if lw_ratio else "n/a") + ", idle / team = "
@@ -189,8 +183,7 @@ def run(o: _Options) -> _CaseResult:
          "sim_70b_best_exposed_fraction": best.exposed_fraction_overlap},
         lines,
         {"shape": list(shape), "world": world, "ns_steps": steps, "repeats": repeats, "single_s": single,
-         "team_s": team, "team_rows_s": rows, "team_compute_s": compute,
-         "rows_bitwise": ex["rows_bitwise"], "rows_rel_fro_diff": ex["rows_rel_fro_diff"],
+         "team_s": team, "team_compute_s": compute,
          "last_wave_idle_s": lw_idle, "last_wave_duplicate_s": lw_dup,
          "last_wave_team_s": lw_team, "duplicate_equal": dup_equal, "team_max_abs_diff": team_diff,
          "surplus_used": used, "bitwise": ex["bitwise"], "max_abs_diff": ex["max_abs_diff"],

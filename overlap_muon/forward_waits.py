@@ -6,7 +6,7 @@ owns that policy: the hooks, the waits (FSDP2's all-gather streams and prefetche
 regions ([Note: forward waits under torch.compile] in ``hooks/forward_wait.py``), the coverage check for weights
 read outside their module's forward (re-run whenever the set of params with a gradient grows), and the fallback
 when no forward runs between two steps. The default step needs none of it ([Note: the step barrier] in
-``optimizer.py``).
+``runtime.py``).
 """
 
 from __future__ import annotations

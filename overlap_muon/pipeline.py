@@ -19,7 +19,7 @@
    step applies whole or not at all), commits the momentum and applies weight decay and the update with the
    ``lr`` and ``weight_decay`` of that ``step()`` call, each element rounded as ``torch.optim.Muon``'s ``add_``
    rounds it in the full matrix ([Note: the apply follows torch's kernel path] in ``muon_math.py``).
-4. ``step()`` waits for the applies before it returns ([Note: the step barrier] in ``optimizer.py``; CUDA: a
+4. ``step()`` waits for the applies before it returns ([Note: the step barrier] in ``runtime.py``; CUDA: a
    stream wait), or with ``async_step`` the next forward's pre-hook for ``W``'s module does
    (``forward_waits.py``). Then the wave's state is released (:meth:`WavePipeline.reap`).
 
@@ -56,7 +56,7 @@ from .ns import zeropower_each
 from .profiling import prof_range, wave_range_name
 from .state import committed_momentum, create_momentum
 from .team_ns import team_norms, team_zeropower_blocks
-from .wave_state import Hyper, WaveState, versions, wait_handle
+from .wave_state import EarlyRelease, Hyper, LateRelease, WaveState, versions, wait_handle
 
 __all__ = ["WavePipeline", "WaveState", "Hyper"]
 
@@ -111,6 +111,7 @@ class WavePipeline(Agreement):
         # On CPU (and inline) a task may drop what the next no longer needs; on CUDA only whole states are
         # released, after their last event ([Note: release on time]).
         self._eager_release = not self.lanes.cuda
+        self._release = EarlyRelease() if self._eager_release else LateRelease()
         self._route_plans: dict[Any, dict] = {}
         self.exchanges: dict[int, tuple[Exchange, Exchange]] = {}
         """Per wave index: its exchange and the ``local`` one of its replicated params, built from the frozen wave
@@ -215,8 +216,7 @@ class WavePipeline(Agreement):
         with prof_range(wave_range_name(st.wave.index, "ns"), nvtx=self.config.nvtx):
             for leg in st.legs:
                 leg.outs = leg.exchange.orthogonalize(leg, getattr(self, _NS[leg.exchange.ns_kind]), kw)
-                if self._eager_release:
-                    leg.mats = None
+                self._release.after_ns(leg)
 
     def _from_home_task(self, st: WaveState) -> None:
         """Back to storage: this rank's block of every result, in ``items`` order."""
@@ -227,8 +227,7 @@ class WavePipeline(Agreement):
             for leg in st.legs:
                 by_position.update(zip(leg.positions, leg.exchange.back_to_storage(leg)))
         st.updates = [by_position[j] for j in range(len(st.items))]
-        if self._eager_release:
-            st.packed = st.legs = None
+        self._release.after_scatter(st)
 
     def _apply_task(self, st: WaveState, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None) -> None:
         if not st.empty:
@@ -244,8 +243,7 @@ class WavePipeline(Agreement):
                         whole = a == 0 and b == p.size(0)
                         apply_update(p if whole else p[a:b], u if whole else u[a:b], lr, weight_decay,
                                      adjust_lr_fn, shape, region)
-        if self._eager_release:
-            st.release()
+        self._release.after_apply(st)
 
     def _team_ns(self, work: list[tuple[list[Tensor], list[MuonParam], list[bool]]], kw: dict[str, Any]
                  ) -> list[Tensor]:

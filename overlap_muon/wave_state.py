@@ -16,7 +16,7 @@ from .exchanges import Leg
 from .lanes import LaneHandle
 from .scheduler.waves import Wave
 
-__all__ = ["Hyper", "WaveState", "versions", "wait_handle"]
+__all__ = ["Hyper", "WaveState", "EarlyRelease", "LateRelease", "versions", "wait_handle"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,34 @@ class WaveState:
     def release(self) -> None:
         """Drop every tensor the wave holds."""
         self.grads = self.packed = self.legs = self.updates = self.momentum = None
+
+
+class EarlyRelease:
+    """CPU (and inline lanes): each task drops what the next no longer needs ([Note: release on time])."""
+
+    def after_ns(self, leg: Leg) -> None:
+        leg.mats = None
+
+    def after_scatter(self, st: WaveState) -> None:
+        st.packed = st.legs = None
+
+    def after_apply(self, st: WaveState) -> None:
+        st.release()
+
+
+class LateRelease(EarlyRelease):
+    """CUDA: a tensor read on another stream than the one that allocated it lives until that stream is done with
+    it (no ``record_stream``): the wave keeps everything until its apply event has completed (released by the
+    pipeline's ``wait`` / ``reap`` then)."""
+
+    def after_ns(self, leg: Leg) -> None:
+        return None
+
+    def after_scatter(self, st: WaveState) -> None:
+        return None
+
+    def after_apply(self, st: WaveState) -> None:
+        return None
 
 
 def versions(grad: Tensor) -> tuple[int, int]:

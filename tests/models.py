@@ -209,3 +209,17 @@ class Deep(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+def train_pair(model, opt, ref, ref_opts, xs, steps, between=None) -> None:
+    """The same loop on a model and its reference: forward on ``xs[s]``, backward, ``between(m, opts, s)``, every
+    optimizer's step, then every optimizer's zero_grad, for each ``s`` in ``steps``."""
+    for s in steps:
+        for m, opts in ((model, [opt]), (ref, ref_opts)):
+            m(xs[s]).pow(2).mean().backward()
+            if between is not None:
+                between(m, opts, s)
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad()

@@ -17,7 +17,7 @@ from torch import nn
 
 from tests.seams import SeamedOverlapMuon as OverlapMuon, TestingSeam
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, HP, TinyNet, build_dtensor_model, local
+from tests.models import ADAMW_KW, HP, TinyNet, build_dtensor_model, local, train_pair
 
 X = [torch.randn(4, 12, generator=torch.Generator().manual_seed(100 + s)) for s in range(4)]
 
@@ -39,15 +39,7 @@ def _equal(a: nn.Module, b: nn.Module) -> list[str]:
 
 
 def _loop(model, opt, ref, ref_opts, between=None, steps=3):
-    for s in range(steps):
-        for m, o in ((model, [opt]), (ref, ref_opts)):
-            m(X[s]).pow(2).mean().backward()
-            if between is not None:
-                between(m, o, s)
-            for x in o:
-                x.step()
-            for x in o:
-                x.zero_grad()
+    train_pair(model, opt, ref, ref_opts, X, range(steps), between)
     opt.synchronize()
 
 

@@ -2,7 +2,7 @@
 
 Nine ordinary training loops, each with the defaults (overlap on), compared with ``torch.equal`` against the same
 loop driving ``torch.optim.Muon`` + ``torch.optim.AdamW``. Before the step barrier ([Note: the step barrier] in
-``overlap_muon/optimizer.py``) each of them gave a different model or wasted memory with overlap on. Cases 1, 6, 7
+``overlap_muon/runtime.py``) each of them gave a different model or wasted memory with overlap on. Cases 1, 6, 7
 and 8 also run with ``async_step=True``, whose contract covers them.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from tests.seams import SeamedOverlapMuon as OverlapMuon, TestingSeam
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, HP, TinyNet, local
+from tests.models import ADAMW_KW, HP, TinyNet, local, train_pair
 
 X = [torch.randn(4, 12, generator=torch.Generator().manual_seed(300 + s)) for s in range(6)]
 # A test seam makes NS slow, as a large model's is, so that the updates are still in flight when the loop reads or
@@ -49,15 +49,7 @@ def _differ(a: nn.Module, b: nn.Module) -> list[str]:
 
 
 def _train(model, opt, ref, ref_opts, steps, between=None) -> None:
-    """The same loop on both: forward, backward, ``between(m, opts, s)``, step, zero_grad."""
-    for s in steps:
-        for m, opts in ((model, [opt]), (ref, ref_opts)):
-            m(X[s]).pow(2).mean().backward()
-            if between is not None:
-                between(m, opts, s)
-            for o in opts:
-                o.step()
-                o.zero_grad()
+    train_pair(model, opt, ref, ref_opts, X, steps, between)
 
 
 def _finish(model, opt, ref) -> list[str]:
@@ -146,10 +138,7 @@ def _post_local_sgd_body(rank, world):
         ref_avg.average_parameters([p for o in ref_opts for p in o.param_groups[0]["params"]])  # those with a grad
         for o in ref_opts:
             o.zero_grad()
-    opt.synchronize()
-    bad = _differ(model, ref)
-    opt.close()
-    return bad
+    return _finish(model, opt, ref)
 
 
 @pytest.mark.timeout(150)

@@ -4,6 +4,9 @@ Pure Python: nothing here needs a process group, a device or a stream, and every
 function of its inputs, so all ranks compute the same one without communicating.
 """
 
+if __name__ == "scheduler":  # the repository folder, found on the path from the repository root
+    raise ImportError("scheduler/ is installed as overlap_muon.scheduler: import overlap_muon.scheduler")
+
 from .cost import ns_bytes, ns_flops
 from .dispatch import ReadinessRecorder, WaveDispatcher
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes

@@ -84,6 +84,9 @@ class ExchangeContext:
     route_plans: dict[Any, dict]
     run: Callable[[int, list[int], str, Domain, Callable[[], Any], str], Any]
     """``run(wave, params, phase, domain, fn, op)``: runs one collective; an error names the wave and the group."""
+    buffers: dict[Any, dict] | None = None
+    """CPU: each routed exchange's reserved buffers, by (direction, wave, params) ([Note: reserved exchange
+    buffers] in ``layer_sharded_a2a/_route.py``); ``None``: fresh buffers each time (CUDA: the caching allocator)."""
 
 
 class Exchange:
@@ -124,6 +127,12 @@ class Exchange:
     def _plan(self, what: str, leg: Leg) -> dict:
         """The route-plan cache entry of this wave's ``what`` exchange for the params present now."""
         return self.ctx.route_plans.setdefault((what, self.index, tuple(m.index for m in leg.params)), {})
+
+    def _buffers(self, what: str, leg: Leg) -> dict | None:
+        """This wave's reserved buffers for its ``what`` exchange (``None`` where the context keeps none)."""
+        if self.ctx.buffers is None:
+            return None
+        return self.ctx.buffers.setdefault((what, self.index, tuple(m.index for m in leg.params)), {})
 
     @staticmethod
     def _layout(leg: Leg) -> tuple[list[int | None], list[tuple[int, int]]]:
@@ -205,9 +214,9 @@ class Routed(Exchange):
         copies, (pds, shapes), dom = self._copies(leg), self._layout(leg), self.dom_to
         homes = [h for _, h in copies]
         cp, cpds, cshapes = ([v[x] for x, _ in copies] for v in (leg.packed, pds, shapes))
-        plan, fused = self._plan("to", leg), self.ctx.fused
+        plan, fused, buf = self._plan("to", leg), self.ctx.fused, self._buffers("to", leg)
         leg.mats, mine = self._run(leg, "a2a_to_home", dom, lambda: to_homes(cp, homes, cpds, cshapes, dom,
-                                                                            fused=fused, plan=plan))
+                                                                            fused=fused, plan=plan, buffers=buf))
         leg.homed = [leg.params[copies[v][0]] for v in mine]
         leg.route = (copies, mine)
 
@@ -216,9 +225,9 @@ class Routed(Exchange):
         homes = [h for _, h in copies]
         cp, cpds, cshapes = ([v[x] for x, _ in copies] for v in (leg.packed, pds, shapes))
         serve = self._serve(leg, copies, dom.size)
-        plan, fused = self._plan("from", leg), self.ctx.fused
+        plan, fused, buf = self._plan("from", leg), self.ctx.fused, self._buffers("from", leg)
         got = self._run(leg, "a2a_from_home", dom, lambda: from_homes(leg.outs, mine, cp, homes, cpds, cshapes, dom,
-                                                                     fused=fused, plan=plan, serve=serve))
+                                                                     fused=fused, plan=plan, serve=serve, buffers=buf))
         updates: list[Tensor | None] = [None] * len(leg.params)
         for v, (x, _) in enumerate(copies):
             if serve is None or dom.flat_rank in serve[v]:

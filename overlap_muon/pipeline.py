@@ -116,7 +116,8 @@ class WavePipeline(Agreement):
         self.exchanges: dict[int, tuple[Exchange, Exchange]] = {}
         """Per wave index: its exchange and the ``local`` one of its replicated params, built from the frozen wave
         plans (:meth:`set_plans`)."""
-        self._ctx = ExchangeContext(config.fused_a2a, self._route_plans, self._run)
+        self._ctx = ExchangeContext(config.fused_a2a, self._route_plans, self._run,
+                                    None if device.type == "cuda" else {})
         self.keep_momentum = False
         """``async_step``: a wave keeps its new momentum from ``to_home`` to its apply, which then copies it instead
         of recomputing it from the gradient (the apply runs after ``step()`` returns)."""
@@ -431,6 +432,8 @@ class WavePipeline(Agreement):
         """The wave plan changed (construction, or the observed readiness order): build each wave's exchange from
         its frozen plan (``exchanges.build_exchange``); route plans are per (wave, params), so drop them."""
         self._route_plans.clear()
+        if self._ctx.buffers is not None:
+            self._ctx.buffers.clear()
         self.exchanges = {p.wave.index: (build_exchange(p, self._ctx, self._doms[p.wave.domain], self.dp),
                                          Local(self._ctx, p.wave.index, *self._doms[p.wave.domain])) for p in plans}
 

@@ -66,6 +66,7 @@ def to_homes(
     *,
     fused: bool,
     plan: dict | None = None,
+    buffers: dict | None = None,
 ) -> tuple[list[Tensor], list[int]]:
     """Assemble every Muon matrix on its NS home from the domain's shards.
 
@@ -103,7 +104,7 @@ def to_homes(
         if R * T == 1 or not shards:
             return [shards[i].contiguous() for i in mine], mine
         route = _cached(plan, "fused_to", (("op", "fused_to"),), lambda sig: _fused_to(sig, p, domain))
-        return _execute(route, shards, domain.flat_group, p.dtype, p.device), mine
+        return _execute(route, shards, domain.flat_group, p.dtype, p.device, buffers), mine
     meta = (p.dtype, p.device)
     coords = [divmod(h, T) for h in p.homes]
     # Stage 1, over the remat group: rows to the home's g. A None-partition param moves only in the remat group
@@ -190,6 +191,7 @@ def from_homes(
     plan: dict | None = None,
     dtype: torch.dtype | None = None,
     serve: Sequence[frozenset[int]] | None = None,
+    buffers: dict | None = None,
 ) -> list[Tensor]:
     """Scatter the homes' full results back: every rank gets its block of every param (inverse of :func:`to_homes`).
 
@@ -231,7 +233,7 @@ def from_homes(
             return list(ns_results)
         sig = (("op", "fused_from"), ("serve", None if serve is None else tuple(tuple(sorted(x)) for x in serve)))
         route = _cached(plan, "fused_from", sig, lambda sig: _fused_from(sig, p, domain, serve))
-        return _execute(route, ns_results, domain.flat_group, dtype, p.device)
+        return _execute(route, ns_results, domain.flat_group, dtype, p.device, buffers)
     coords = [divmod(h, T) for h in p.homes]
     # Stage 2 reversed, over the TP group: the home sends each TP peer its TP block (None: a full copy, since
     # every peer then scatters rows in its own remat group).

@@ -30,17 +30,21 @@ def weak_callback(method: Callable) -> Callable:
 class ParamOwners:
     """Which live object drives each param: ``claim`` refuses params another live, unreleased owner holds.
 
-    Keys are ``id(param)`` with a weakref to the param (so a recycled id is not mistaken for it); owners are held
-    weakly and count as live while ``is_live(owner)`` is true.
+    The owner is recorded on the param itself (an attribute holding a weak reference to the owner), never as a
+    reference to the param: ``torch.utils.swap_tensors`` (``model.to()`` / ``to_empty()`` with
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``, and DTensor params moved by ``Trainer``)
+    refuses a tensor that something holds a weak reference to. The attribute moves with the tensor's contents, so a
+    recycled ``id`` cannot be mistaken for it. Owners are held weakly and count as live while ``is_live(owner)``.
     """
 
+    _ATTR = "_overlap_muon_owner"
+
     def __init__(self, is_live: Callable[[Any], bool]) -> None:
-        self._owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         self._is_live = is_live
 
     def _owner(self, p: torch.Tensor) -> Any:
-        entry = self._owners.get(id(p))
-        return entry[1]() if entry is not None and entry[0]() is p else None
+        ref = getattr(p, self._ATTR, None)
+        return ref() if ref is not None else None
 
     def claim(self, params: Iterable[torch.Tensor], owner: Any, message: str) -> None:
         """Record ``owner`` as the driver of ``params``.
@@ -55,4 +59,4 @@ class ParamOwners:
         if any(o is not None and o is not owner and self._is_live(o) for o in map(self._owner, params)):
             raise RuntimeError(message)
         for p in params:
-            self._owners[id(p)] = (weakref.ref(p), weakref.ref(owner))
+            setattr(p, self._ATTR, weakref.ref(owner))

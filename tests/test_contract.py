@@ -554,3 +554,23 @@ def test_version_fix_is_logged_and_removed_with_the_last_overlap_optimizer():
     ``overlap_muon``), and the last overlap-mode optimizer to close puts the originals back."""
     ((wrapped, logged, kept, restored, left),) = run_ranks(_version_fix_lifetime_body, 1, timeout=90)
     assert wrapped and logged == 1 and kept and restored and not left
+
+
+@pytest.mark.parametrize("when", ["live", "closed"])
+def test_swap_tensors_works_on_a_model_it_drives(when):
+    """Bug (found with HF Trainer moving a fully_shard'ed model): the ownership registry held a weak reference to
+    every param, and ``torch.utils.swap_tensors`` (``model.to()`` / ``to_empty()`` with swapping on, DTensor moves)
+    refuses such a tensor, before and after ``close()``."""
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model, opt, ref, mu, aw = _pair()
+        if when == "closed":
+            opt.close()
+        model.to(torch.float64)
+        model.to(torch.float32)
+        model.to_empty(device="cpu")
+        for p in model.parameters():
+            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.zeros_like(p)))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    opt.close()

@@ -134,7 +134,8 @@ def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter
                                    (m["expert_mesh"], m["ep_dim"], m["etp_dim"], ET, et))
     expert_layout = m["expert_mesh"] is not None or m["etp_group"] is not None
     _warn_layout(rank, multi, experts, adamw_named, muon_named, expert_ids, expert_layout, layouts)
-    errors += described + _layout_errors(muon_named, expert_ids, expert_layout) + option_errors(config)
+    errors += described + _layout_errors(muon_named, expert_ids, expert_layout, len(adamw_named))
+    errors += option_errors(config)
     errors += _split_errors(split, muon)
     if max_grad_norm is not None and (R * T > 1 or multi and expert_ids) and any(
             not isinstance(x.param, DTensor) for x in muon):
@@ -177,13 +178,20 @@ def _split_errors(split: Any, muon: list[MuonParam]) -> list[str]:
             f"{' ...' if len(muon) > 8 else ''})"] if unused else []
 
 
-def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], expert_layout: bool) -> list[str]:
-    """Collective: an expert layout given with no expert param selected, or expert counts that differ by rank
-    (which would otherwise surface as a plan mismatch naming an unrelated param)."""
+def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], expert_layout: bool,
+                   n_adamw: int) -> list[str]:
+    """Collective: an expert layout given with no expert param selected, expert counts that differ by rank (which
+    would otherwise surface as a plan mismatch naming an unrelated param), or AdamW param counts that differ by rank
+    (the step's agreement carries one flag per AdamW param: [Note: lazy state] in ``state.py``)."""
     errors = (["expert_mesh/etp_group given but experts= selects no Muon param"]
               if expert_layout and not expert_ids else [])
     held = [(n, int(p.shape[0]) if p.ndim == 3 else 1) for n, p in muon_named if id(p) in expert_ids]
-    per_rank = differs_across_ranks(held)  # on every rank, whatever it holds
+    per_rank = differs_across_ranks((held, n_adamw))  # on every rank, whatever it holds
+    if per_rank is not None and any(h[1] != per_rank[0][1] for h in per_rank):
+        errors.append(f"the ranks hold different numbers of AdamW params ({[h[1] for h in per_rank]} by rank); every "
+                      "rank must build the same model")
+    per_rank = [h[0] for h in per_rank] if per_rank is not None and any(h[0] != per_rank[0][0] for h in per_rank) \
+        else None
     if per_rank is not None:
         errors.append(f"the ranks hold different expert params (name, experts held) -- "
                       f"{'; '.join(f'rank {r}: {h}' for r, h in enumerate(per_rank))[:600]}; every EP rank must hold "

@@ -574,3 +574,22 @@ def test_swap_tensors_works_on_a_model_it_drives(when):
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
     opt.close()
+
+
+def _adamw_count_body(rank, world):
+    model = TinyNet()
+    if rank == 1:
+        model.extra = nn.Parameter(torch.zeros(3))
+    try:
+        OverlapMuon(model, adamw_kwargs=ADAMW_KW, **HP)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_adamw_params_fail_at_construction():
+    """The step's agreement carries one flag per AdamW param ([Note: lazy state]): ranks that hold different
+    numbers of them get a ValueError at construction, on every rank, instead of a mismatched collective later."""
+    msgs = run_ranks(_adamw_count_body, 2, timeout=90)
+    assert all(m and "different numbers of AdamW params" in m for m in msgs), msgs

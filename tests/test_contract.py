@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import warnings
 
 import pytest
@@ -566,6 +567,7 @@ def test_swap_tensors_works_on_a_model_it_drives(when):
         model, opt, ref, mu, aw = _pair()
         if when == "closed":
             opt.close()
+        torch.save(next(model.parameters()), io.BytesIO())  # the owner tag pickles (a weakref would not)
         model.to(torch.float64)
         model.to(torch.float32)
         model.to_empty(device="cpu")

@@ -23,7 +23,7 @@ from typing import Any
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from .discovery import discover_expert_layouts, discover_layouts, mesh_dims, my_coords
+from .discovery import discover_expert_layouts, discover_layouts, expert_placements, mesh_dims, my_coords
 from .layout import chunk_sizes
 
 try:
@@ -146,6 +146,9 @@ class MuonParam:
     its shard is ``local_tensor(param)[expert]`` (:meth:`local`). ``None`` for a 2-D param."""
     domain: int = 0
     """Which domain routes it: 0 the dense ``remat x TP`` domain, 1 the expert domain ([Note: two domains])."""
+    split_factor: int = 1
+    """An expert weight sharded ``_StridedShard(1, split_factor)`` over ETP (Hugging Face's fused ``[gate; up]``):
+    its local rows are pieces of the matrix, put in place by ``overlap_muon.split.strided_parts``."""
 
     def local(self, t: Tensor) -> Tensor:
         """This matrix's block of ``t`` (the param, its gradient or its momentum buffer): the local shard, and of a
@@ -297,9 +300,10 @@ def describe_expert_param(
     A 2-D param (one expert's linear) is placed as :func:`describe_param` places a dense one (ETP as the TP dim). A
     3-D param ``(E, P, Q)`` (grouped GEMM weights) is ``E_local`` matrices ``(P, Q)``, batched in NS: as a DTensor
     on ``mesh``, ``Shard(0)`` (or ``Replicate``) on ``ep_dim`` and ``Shard(1)`` (rows of each matrix, the
-    ``partition_dim`` 0), ``Shard(2)`` (columns, 1) or ``Replicate`` on ``etp_dim``; as a plain tensor its local
-    ``(E_local, p, q)`` block, carrying ``partition_dim`` (0 or 1, of the matrix) when ETP splits it and optionally
-    ``full_shape`` ``(P, Q)``. The names are ``"{name}[e]"`` with ``e`` the local expert index (equal on every EP
+    ``partition_dim`` 0), ``_StridedShard(1)`` (Hugging Face's fused ``[gate; up]``: rows, ``split_factor`` kept),
+    ``Shard(2)`` (columns, 1) or ``Replicate`` on ``etp_dim``, any placement on a size-1 dim
+    (:func:`expert_placements`); as a plain tensor its local ``(E_local, p, q)`` block, carrying ``partition_dim``
+    (0 or 1, of the matrix) when ETP splits it and optionally ``full_shape`` ``(P, Q)``. The names are ``"{name}[e]"`` with ``e`` the local expert index (equal on every EP
     rank, so the plans of all EP ranks agree).
 
     Returns:
@@ -318,28 +322,17 @@ def describe_expert_param(
     if isinstance(p, DTensor):
         if mesh is None:
             return [], f"expert param {name!r} is a DTensor but no expert_mesh was given"
-        by_name = dict(zip(tuple(p.device_mesh.mesh_dim_names or ()), p.placements))
-        odd = {d: x for d, x in by_name.items() if d not in (ep_dim, etp_dim) and not isinstance(x, Replicate)}
-        ep_pl, etp_pl = by_name.get(ep_dim, Replicate()), by_name.get(etp_dim, Replicate())
-        if odd or not (isinstance(ep_pl, Replicate) or (isinstance(ep_pl, Shard) and ep_pl.dim == 0)):
-            return [], (f"expert param {name!r} (shape {tuple(p.shape)}) has placements {dict(by_name)}; expected "
-                        f"Shard(0) or Replicate on {ep_dim!r}, Shard(1), Shard(2) or Replicate on {etp_dim!r}, "
-                        "Replicate elsewhere")
-        names = tuple(p.device_mesh.mesh_dim_names or ())
-        ep_size = p.device_mesh.size(names.index(ep_dim)) if isinstance(ep_pl, Shard) else 1
+        pd, split_factor, ep_size, err = expert_placements(name, p, ep_dim, etp_dim, T)
+        if err is not None:
+            return [], err
         if p.shape[0] % ep_size:
             return [], (f"expert param {name!r} (shape {tuple(p.shape)}) has {p.shape[0]} experts over EP size "
                         f"{ep_size}; every EP rank must hold the same number of experts (the ranks plan and "
                         "exchange in lockstep)")
-        if isinstance(etp_pl, Shard) and etp_pl.dim in (1, 2):
-            pd: int | None = etp_pl.dim - 1 if T > 1 else None  # a shard over a size-1 dim is the whole matrix
-        elif isinstance(etp_pl, Replicate):
-            pd = None
-        else:
-            return [], f"expert param {name!r} has ETP placement {etp_pl}; expected Shard(1), Shard(2) or Replicate"
         full = (int(p.shape[1]), int(p.shape[2]))
         replicated = False
     else:
+        split_factor = 1
         fs = getattr(p, "full_shape", None)
         full = (int(fs[0]), int(fs[1])) if fs is not None else None
         replicated = T > 1 and not hasattr(p, "partition_dim")  # [Note: replicated params]
@@ -352,5 +345,5 @@ def describe_expert_param(
     if loc != expected:
         return [], (f"expert param {name!r} has local shape {loc}, expected {expected} for matrices {full}, "
                     f"partition_dim={pd} on a 1x{T} expert domain at t={t}")
-    return [MuonParam(index + e, f"{name}[{e}]", p, full, pd, replicated=replicated, expert=e, domain=1)
-            for e in range(loc[0])], None
+    return [MuonParam(index + e, f"{name}[{e}]", p, full, pd, replicated=replicated, expert=e, domain=1,
+                      split_factor=split_factor) for e in range(loc[0])], None

@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from .domain import MuonParam, block, describe_expert_param, describe_param
-from .split import SplitArg, apply_runs, resolve_split
+from .split import SplitArg, apply_runs, resolve_split, strided_parts
 
 __all__ = ["place_params"]
 
@@ -23,7 +23,8 @@ def place_params(
     experts: tuple[Any, str, str, int, int],
 ) -> tuple[list[MuonParam], list[str]]:
     """The :class:`MuonParam` s of ``muon_named``, indexed ``0 .. n-1`` (a grouped expert weight gives one per
-    matrix), with their transposition (HF ``Conv1D``: ``id`` in ``conv1d``), split parts and apply runs.
+    matrix), with their transposition (HF ``Conv1D``: ``id`` in ``conv1d``), split parts (a strided expert shard's
+    rows put in place, ``overlap_muon.split.strided_parts``) and apply runs.
 
     Args:
         dense: ``(device_mesh, (remat_dim, tp_dim), R, T, g, t)`` of the dense domain.
@@ -48,6 +49,8 @@ def place_params(
         mp.index = i
         mp.transposed = id(mp.param) in conv1d
         mp.parts, err = resolve_split(split, mp.name, mp.param, mp.ns_shape)
+        if mp.split_factor > 1:  # rows of a strided expert shard, in place ([Note: strided expert rows])
+            mp.parts = strided_parts(mp.parts, mp.full_shape, mp.split_factor, ET)
         if mp.parts is not None and mp.transposed:
             err = f"split of Muon param {mp.name!r}: a transposed (Conv1D) weight cannot be split yet"
         shard = (0, mp.full_shape[0], 0, mp.full_shape[1]) if mp.replicated else block(

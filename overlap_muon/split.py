@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .domain import block
 from .sorting import name_matches
 
-__all__ = ["RowSplit", "QKVSplit", "GateUpSplit", "HeadSplit", "resolve_split", "apply_runs", "split_ns"]
+__all__ = ["RowSplit", "QKVSplit", "GateUpSplit", "HeadSplit", "resolve_split", "strided_parts", "apply_runs",
+           "split_ns"]
 
 
 class RowSplit:
@@ -120,6 +122,41 @@ def resolve_split(split: SplitArg, name: str, param: Tensor, full_shape: tuple[i
         return None, (f"split {spec} of Muon param {name!r} (shape {full_shape}) must give non-empty row sets "
                       "that cover every row once")
     return parts, None
+
+
+def strided_parts(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, int], split_factor: int, T: int
+                  ) -> list[list[int]]:
+    """The parts of a matrix sharded ``_StridedShard(rows, split_factor)`` over ``T`` ranks, in the rows of the
+    matrix the exchanges assemble.
+
+    [Note: strided expert rows] The exchanges place rank ``t``'s ``P/T`` local rows at rows ``[t*P/T, (t+1)*P/T)``
+    of the matrix they assemble (``block(..., partition_dim=0)``), but a strided shard's local rows are row block
+    ``t`` of each of the ``split_factor`` pieces (Hugging Face's fused ``[gate; up]``): the assembled matrix is the
+    true one with its rows permuted. That is FSDP2's strided order with the pieces as the outer split: piece ``i``'s
+    block on rank ``t`` is ``block(full_shape, 0, T, split_factor, t, i)``. Each true part (the whole matrix when
+    ``parts`` is ``None``) becomes the list of its rows' positions in the assembled matrix, in true order, so
+    :func:`split_ns` gathers the true matrix (or part), orthogonalizes it and puts each result row back where the
+    rank holding it reads it; :func:`apply_runs` then gives every local run its true region and lr ratio.
+
+    Args:
+        parts: the true row sets (:func:`resolve_split`), or ``None`` for the whole matrix.
+        full_shape: ``(P, Q)``, ``P`` a multiple of ``split_factor * T``.
+        split_factor: the pieces (2 for ``[gate; up]``).
+        T: the ranks of the strided dim.
+
+    Returns:
+        The row sets in assembled positions, one per true part.
+    """
+    P = full_shape[0]
+    at = [0] * P  # true row -> its row in the assembled matrix
+    pos = 0
+    for t in range(T):  # rank t's local rows, in order: its block of piece 0, then of piece 1, ...
+        for i in range(split_factor):
+            row0, rows, _, _ = block(full_shape, 0, T, split_factor, t, i)
+            for r in range(row0, row0 + rows):
+                at[r] = pos
+                pos += 1
+    return [[at[r] for r in rows] for rows in (parts if parts is not None else [range(P)])]
 
 
 def apply_runs(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, int],

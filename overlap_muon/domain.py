@@ -208,14 +208,16 @@ def describe_param(
             return None, f"Muon param {name!r} is a DTensor but no device_mesh was given"
         mesh_names = tuple(mesh.mesh_dim_names or ())
         remat_name, tp_name = dims if dims is not None else mesh_dims(mesh)[0]
+        if not names and not mesh_names and p.device_mesh.ndim == mesh.ndim == 1:
+            names = mesh_names = (remat_name,)  # fully_shard's default mesh, unnamed: its one dim is remat (mesh_dims)
         by_name = dict(zip(names, pl))
         if not set(names) <= set(mesh_names):
             return None, (
                 f"Muon param {name!r} lives on mesh dims {names}, not on (a sub-mesh of) the device_mesh "
                 f"{mesh_names} passed"
             )
-        remat_pl = by_name.get(remat_name, Replicate()) if remat_name else Replicate()
-        tp_pl = by_name.get(tp_name, Replicate()) if tp_name else Replicate()
+        remat_pl = by_name.get(remat_name, Replicate())
+        tp_pl = by_name.get(tp_name, Replicate()) if tp_name is not None else Replicate()
         extra = {d: x for d, x in by_name.items() if d not in (remat_name, tp_name) and not isinstance(x, Replicate)}
         if extra:
             return None, (

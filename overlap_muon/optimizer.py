@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -117,29 +118,93 @@ class OverlapMuon(torch.optim.Optimizer):
         builder.check_arguments(hp, max_grad_norm, muon_filter)
         self.max_grad_norm, self.config = max_grad_norm, resolve_config(**options)
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        _OWNERS.claim(model.parameters(), self, "OverlapMuon: another live OverlapMuon already drives this model's "
-                      "params; call its close() before building a new one on the same model")
         mesh = dict(device_mesh=device_mesh, remat_dim=remat_dim, tp_dim=tp_dim, tp_group=tp_group,
                     remat_group=remat_group, expert_mesh=expert_mesh, ep_dim=ep_dim, etp_dim=etp_dim,
                     etp_group=etp_group)
-        placed = builder.place(model, self.config, self._rank, muon_filter=muon_filter, experts=experts, split=split,
-                               max_grad_norm=max_grad_norm, adamw_groups=adamw_groups, mesh=mesh)
-        self._muon = placed.muon
-        comm = builder.make_groups(placed, self.config, self._rank)
-        self.domain, self.expert_domain = comm.dom_to, comm.expert[0] if comm.expert else Domain.single()
-        self._adamw, groups = builder.param_groups(self._muon, placed.adamw_groups, adamw_kwargs, hp)
+        # What placement needs again when the params are replaced ([Note: following the param groups]).
+        self._recipe = dict(muon_filter=muon_filter, experts=experts, split=split, max_grad_norm=max_grad_norm,
+                            adamw_groups=adamw_groups, mesh=mesh)
+        self._claim(model)
+        placed = builder.place(model, self.config, self._rank, **self._recipe)
+        self._adamw, groups = builder.param_groups(placed.muon, placed.adamw_groups, adamw_kwargs, hp)
         super().__init__(groups, hp)
         self._link_adamw()  # State is created at a param's first gradient, as torch does ([Note: lazy state]).
-        self._model_params = list(model.parameters())
-        self._param_names = {id(p): n for n, p in model.named_parameters()}
         self.stats: dict[str, int] = defaultdict(int)
-        self._rt = Runtime(self, comm, ns_steps)
-        self._finalizer = self._rt.hook(self, model, weak_callback(self._sync_hook))
+        self._ddp: Any = None
+        self._bind(model, placed)
         self._step_count, self._warned_reruns, self._built = 0, False, True
         if ddp is not None:
             self.attach_ddp(ddp)
         if self._rank == 0:
             logger.info("%s", self.config.describe())
+
+    def _claim(self, model: nn.Module) -> None:
+        _OWNERS.claim(model.parameters(), self, "OverlapMuon: another live OverlapMuon already drives this model's "
+                      "params; call its close() before building a new one on the same model")
+
+    def _bind(self, model: nn.Module, placed: builder.Placement) -> None:
+        """Groups, runtime and hooks for the params of ``placed`` (construction, and again when they are replaced)."""
+        self._muon = placed.muon
+        comm = builder.make_groups(placed, self.config, self._rank)
+        self.domain, self.expert_domain = comm.dom_to, comm.expert[0] if comm.expert else Domain.single()
+        self._model = weakref.ref(model)
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        self._rt = Runtime(self, comm, self.defaults["ns_steps"])
+        self._finalizer = self._rt.hook(self, model, weak_callback(self._sync_hook))
+        self._bound = self._binding(model)
+
+    def _binding(self, model: nn.Module) -> tuple:
+        """What :meth:`_follow_params` compares: the ids of the model's and the groups' params, and the device."""
+        params = list(model.parameters())
+        return ([id(p) for p in params], [[id(p) for p in g["params"]] for g in self.param_groups],
+                params[0].device if params else None)
+
+    def _follow_params(self) -> None:
+        """[Note: following the param groups] The runtime is bound to the params it was built on: its hooks sit on
+        them, its plan routes their layout. Frameworks replace them after the optimizer exists: Accelerate's FSDP2
+        preparation calls ``fully_shard`` and then swaps each ``param_groups`` entry for its sharded param
+        (``accelerate.utils.fsdp_utils.fsdp2_switch_optimizer_parameters``); ``fully_shard`` by hand replaces the
+        model's params and leaves the groups alone; ``model.to(device)`` moves them. ``swap_tensors``,
+        ``to_empty()`` and ``.to()`` keep each param object, so only the device can change there.
+
+        Each ``step()``, ``state_dict()`` and ``load_state_dict()`` first compares the model's and the groups'
+        param ids and the device with those of the binding (a few microseconds per hundred params). When they
+        differ, it re-binds, on every rank (these calls are collective in a distributed job, as is the swap):
+        each group entry becomes the model's param of the same name (a group entry that is neither the param it
+        replaced nor a param of the model is a ``ValueError`` naming it), placement runs again (the params'
+        DTensor mesh is taken as the ``device_mesh`` when the constructor got none: a 1-D FSDP mesh is the remat
+        dim), the state of a replaced param moves to its successor when the shapes fit (a ``ValueError``
+        otherwise), and the hooks move to the new params. The step that re-binds launches every wave in
+        ``step()`` (backward ran before the hooks moved); the next ones overlap again."""
+        model = self._model()
+        if model is None or self._binding(model) == self._bound:
+            return
+        self.synchronize()
+        self._rt.pipeline.discard()
+        foreign, lists, moved = builder.follow_groups(self.param_groups, self._bound[1], self._param_names,
+                                                      dict(model.named_parameters()))
+        if foreign:
+            raise ValueError(
+                f"OverlapMuon: the param groups hold params that are not the model's: {foreign[:8]}; the optimizer "
+                "follows params replaced in place of the model's own (fully_shard, Accelerate's preparation), not "
+                "new ones: build a new OverlapMuon on the changed model")
+        mesh = dict(self._recipe["mesh"])
+        if all(mesh[k] is None for k in ("device_mesh", "tp_group", "remat_group")):
+            mesh["device_mesh"] = builder.dtensor_mesh(lists[0])
+        placed = builder.place(model, self.config, self._rank, **dict(self._recipe, mesh=mesh))
+        errors = builder.rebind_errors(self.state, moved, lists, placed)
+        if errors:
+            raise ValueError(f"OverlapMuon: the params were replaced, but {'; '.join(errors[:4])}")
+        builder.move_state(self.state, moved)
+        for group, params in zip(self.param_groups, lists):
+            group["params"] = params
+        self._finalizer()
+        self._claim(model)
+        self._recipe["mesh"] = mesh
+        self._bind(model, placed)
+        self._link_adamw()
+        if self._ddp is not None and self._ddp() is not None:
+            self._rt.attach_ddp(self._ddp())
 
     _pipeline = property(lambda self: self._rt.pipeline)
     _plans = property(lambda self: self._rt.plans)
@@ -194,9 +259,10 @@ class OverlapMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_params()
         self._rt.phase = StepPhase.STEP
         try:
-            ok, norm = self._rt.prepare(self.max_grad_norm, self._model_params)
+            ok, norm = self._rt.prepare(self.max_grad_norm, list(self._model().parameters()))
             self.last_grad_norm = norm if norm is not None else getattr(self, "last_grad_norm", None)
             self._rt.launch_rest(ok)
             self._commit(ok)
@@ -268,6 +334,7 @@ class OverlapMuon(torch.optim.Optimizer):
         param names, full shapes and partition dims that :meth:`load_state_dict` checks). Muon momentum stays
         sharded as the params are; a param has state from its first gradient on ([Note: lazy state] in
         ``overlap_muon/state.py``)."""
+        self._follow_params()
         self.synchronize()
         sd = super().state_dict()
         sd["overlap_muon"] = checkpoint_meta(self._muon, self.param_groups[1:])
@@ -284,6 +351,7 @@ class OverlapMuon(torch.optim.Optimizer):
             ValueError: the checkpoint's Muon param names, full shapes, partition dims or group sizes differ from
                 this optimizer's, or a state tensor's shape differs from its param's. Nothing is changed then.
         """
+        self._follow_params()
         self.synchronize()
         self._rt.pipeline.discard()
         errors = checkpoint_errors(state_dict, self._muon, self.param_groups, self._param_names)
@@ -313,6 +381,7 @@ class OverlapMuon(torch.optim.Optimizer):
 
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"attach_ddp expects a DistributedDataParallel, got {type(ddp_model).__name__}")
+        self._ddp = weakref.ref(ddp_model)
         self._rt.attach_ddp(ddp_model)
 
     def close(self) -> None:

@@ -34,6 +34,17 @@ autograd-visible in-place ops (their dispatcher schemas run no ``ADInplaceOrView
 a probe would be a collective, and no c10d op of torch 2.13 moves a counter. While Dynamo traces, the wrappers
 call the collective alone (Dynamo rewrites it to a functional collective, which bumps by itself).
 
+[Note: a clip that does not bite] ``clip_grad_norm_`` multiplies every gradient by ``min(1, max_norm / (norm +
+1e-6))`` in place, also when that is exactly 1.0 (torch avoids the branch to avoid a host sync). The values do not
+change, but the counters move, and the stale check would re-run every wave: Hugging Face's ``Trainer`` calls
+``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)`` each step, and with ``max_grad_norm=0`` still
+``clip_grad_norm_(..., inf)`` to log the norm. :func:`install` wraps ``clip_grads_with_norm_`` (the public name and
+the module global that ``clip_grad_norm_`` calls) so that it computes the coefficient as torch does and, when it is
+exactly 1.0, returns without multiplying: bit for bit what the multiplication would leave, and no counter moves. A
+coefficient below 1 (or NaN, from a non-finite norm) takes torch's own path. The cost: one scalar read on the host
+per call (on CUDA a sync, as with ``OverlapMuon(max_grad_norm=...)``; [Note: clipping and speculative waves] in
+``clip.py``), and for a DTensor norm its ``full_tensor()`` (no communication when it is replicated).
+
 Not covered: the same ops reached from C++ or through ``torch.ops.aten`` / ``torch._C._VariableFunctions``, and
 edits through ``Tensor.data`` (a separate version counter by design: ``p.grad.data.mul_(c)`` is invisible to autograd
 and to overlap mode alike; edit ``p.grad`` itself).
@@ -69,7 +80,7 @@ C10D_INPLACE: dict[str, tuple[int, str]] = {
 _lock = threading.RLock()
 _users = 0  # live OverlapMuon(overlap=True) instances that acquired the fixes
 _originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (module, name, original) of every wrapped function
-_done: set[str] = set()  # "dtensor_foreach", "amp_unscale", "c10d": the fixes in place in this process
+_done: set[str] = set()  # "dtensor_foreach", "amp_unscale", "c10d", "unit_clip": the fixes in place in this process
 
 
 def foreach_bumps_dtensor_versions(mesh: Any) -> bool:
@@ -137,6 +148,24 @@ def _bumping_collective(name: str, fn: Callable[..., Any], pos: int, key: str) -
     return wrapper
 
 
+def _skipping_unit_clip(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``clip_grads_with_norm_`` that does nothing when its coefficient is exactly 1.0 ([Note: a clip that does not
+    bite])."""
+
+    @functools.wraps(fn)
+    def wrapper(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:
+        if not torch.compiler.is_compiling():
+            with torch.no_grad():
+                coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+                coef = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
+                if bool(coef == 1.0):
+                    return None
+        return fn(parameters, max_norm, total_norm, foreach)
+
+    wrapper.__overlap_muon_version_fix__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _wrap(names: tuple[str, ...], which: Callable[[Any], bool]) -> None:
     for name in names:
         fn = getattr(torch, name, None)
@@ -187,11 +216,12 @@ def install(mesh: Any = None) -> set[str]:
     (probed on CPU), the DTensor foreach ops' when ``mesh`` (the DeviceMesh of DTensor Muon params) is given.
     Idempotent and thread safe.
 
-    The c10d fix ([Note: in-place collectives]) is always put in place.
+    The c10d fix ([Note: in-place collectives]) and the unit-clip one ([Note: a clip that does not bite]) are always
+    put in place.
 
     Returns:
         The fixes in place in this process after the call: a subset of ``{"amp_unscale", "dtensor_foreach",
-        "c10d"}``.
+        "c10d", "unit_clip"}``.
     """
     with _lock:
         if "c10d" not in _done and dist.is_available():
@@ -201,6 +231,17 @@ def install(mesh: Any = None) -> set[str]:
                     _originals.append((dist, name, fn))
                     setattr(dist, name, _bumping_collective(name, fn, pos, key))
             _done.add("c10d")
+        if "unit_clip" not in _done:
+            import torch.nn.utils.clip_grad as clip_grad
+
+            fn = clip_grad._clip_grads_with_norm_
+            if not hasattr(fn, "__overlap_muon_version_fix__"):
+                wrapped = _skipping_unit_clip(fn)
+                for module, name in ((clip_grad, "_clip_grads_with_norm_"), (torch.nn.utils, "clip_grads_with_norm_")):
+                    if getattr(module, name, None) is fn:
+                        _originals.append((module, name, fn))
+                        setattr(module, name, wrapped)
+            _done.add("unit_clip")
         if "amp_unscale" not in _done and not unscale_bumps_versions():
             _wrap((AMP_UNSCALE,), lambda t: isinstance(t, torch.Tensor))
             _done.add("amp_unscale")

@@ -1,0 +1,189 @@
+"""Hugging Face ``Trainer`` (transformers 5.x, with Accelerate) driving ``OverlapMuon``: exact, and the overlap kept.
+
+Each case trains a tiny ``LlamaForCausalLM`` twice with the same ``TrainingArguments`` (same seed, so the same
+batches): once with ``OverlapMuon``, once with ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the same split, and
+compares the weights with ``torch.equal``. It also counts the waves re-run in ``step()``: before [Note: a clip that
+does not bite] (``overlap_muon/version_fix.py``) and :class:`overlap_muon.hf.OverlapMuonCallback`, every wave of
+every step re-ran under ``Trainer``, whatever ``max_grad_norm``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from overlap_muon import OverlapMuon
+from tests.dist_utils import run_ranks
+from tests.models import ADAMW_KW, HP, local
+
+pytest.importorskip("transformers", reason="the tests drive transformers' own Trainer")
+pytest.importorskip("accelerate", reason="transformers' Trainer runs on Accelerate")
+
+STEPS = 3
+
+
+class _MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` + ``torch.optim.AdamW`` as one optimizer, the reference ``Trainer`` is given."""
+
+    def __init__(self, muon: list[nn.Parameter], adamw: list[nn.Parameter]) -> None:
+        self.inner = (torch.optim.Muon(muon, **HP), torch.optim.AdamW(adamw, **ADAMW_KW))
+        super().__init__([{"params": muon + adamw}], {})
+        self.param_groups = [g for o in self.inner for g in o.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for o in self.inner:
+            o.step()
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+
+
+def _fit(model: nn.Module, opt: torch.optim.Optimizer, max_grad_norm: float, callback: bool):
+    """``Trainer.train()`` for STEPS steps (constant lr, no checkpoints); returns the trainer."""
+    from transformers import Trainer, TrainingArguments
+
+    gen = torch.Generator().manual_seed(1)
+    ds = [{"input_ids": torch.randint(0, 64, (16,), generator=gen), "labels": torch.randint(0, 64, (16,), generator=gen)}
+          for _ in range(16)]
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2,
+                             report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=max_grad_norm,
+                             logging_steps=1, disable_tqdm=True, lr_scheduler_type="constant", seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
+    if callback:
+        from overlap_muon.hf import OverlapMuonCallback
+
+        trainer.add_callback(OverlapMuonCallback(trainer))
+    trainer.train()
+    return trainer
+
+
+def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False):
+    """Both runs on this rank; returns (differing params, re-runs, waves per step, steps where clipping bit)."""
+    logging.disable(logging.WARNING)
+    # Accelerate reads torchrun's variables: with them it wraps DDP; at world 1 it runs the plain loop without them.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if world == 1:
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            del os.environ[name]
+    model = _tiny_llama()
+    ref = copy.deepcopy(model)
+    kw = {}
+    if fsdp:  # fully_shard by hand, then Trainer (it moves the model with swap_tensors: DTensor params)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("remat",))
+        for m in (model, ref):
+            for layer in m.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+        kw = dict(device_mesh=mesh)
+    opt = OverlapMuon(model, **HP, adamw_kwargs=ADAMW_KW, **kw)
+    muon_names = set(opt.muon_param_names)
+    trainer = _fit(model, opt, max_grad_norm, callback)
+    bit = sum(h["grad_norm"] + 1e-6 > max_grad_norm > 0 for h in trainer.state.log_history if "grad_norm" in h)
+    named = dict(ref.named_parameters())
+    _fit(ref, _MuonAdamW([named[n] for n in named if n in muon_names],
+                         [named[n] for n in named if n not in muon_names]), max_grad_norm, False)
+    opt.synchronize()
+    bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters())
+           if not torch.equal(local(p).detach(), local(q).detach())]
+    reruns, waves = opt.stats["reruns"], len(opt.waves)
+    opt.close()
+    return bad, reruns, waves, bit
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0, 100.0])
+def test_trainer_keeps_the_overlap_and_is_exact(max_grad_norm, world):
+    """World 1 (no DDP) and world 2 (Trainer's DDP, with the callback): bitwise the reference, and waves re-run
+    only on the steps where clipping bites (``max_grad_norm=0``: Trainer still clips with ``inf`` to log the norm;
+    ``100``: never bites; ``1.0``: bites on this model's steps)."""
+    for bad, reruns, waves, bit in run_ranks(_trainer_body, world, max_grad_norm, timeout=250):
+        assert bad == [], bad
+        assert reruns == waves * bit, (reruns, waves, bit)
+        if max_grad_norm != 1.0:
+            assert bit == 0 and reruns == 0
+
+
+@pytest.mark.timeout(200)
+def test_fully_shard_then_trainer():
+    """``fully_shard`` by hand, then ``Trainer`` (which moves the model with ``swap_tensors``): it trains, bitwise the
+    reference, with no re-runs. (At world 2 Accelerate wraps an FSDP2 model in DDP and DDP fails on its DTensors,
+    whatever the optimizer: Trainer needs its own FSDP plugin there, which refuses a machine without a GPU.)"""
+    for bad, reruns, _, _ in run_ranks(_trainer_body, 1, 0.0, False, True, timeout=150):
+        assert bad == [] and reruns == 0, (bad, reruns)
+
+
+def _accelerate_clip_fsdp2_body(rank, world, max_norm):
+    """The clipping Trainer does, ``Accelerator.clip_grad_norm_``, on FSDP2 (DTensor) gradients at world 2."""
+    from accelerate import Accelerator
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.models import TinyNet
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = TinyNet()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("remat",))
+    for name in ("up", "gate", "down"):
+        fully_shard(model.get_submodule(name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = OverlapMuon(model, device_mesh=mesh, **HP, adamw_kwargs=ADAMW_KW)
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(3))
+    bites = []
+    for _ in range(STEPS):
+        model(x).pow(2).mean().backward()
+        norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        bites.append(bool(local(norm) + 1e-6 > max_norm))
+        opt.step()
+        opt.zero_grad()
+    reruns, waves = opt.stats["reruns"], len(opt.waves)
+    opt.close()
+    return reruns, waves, sum(bites)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("max_norm", [float("inf"), 1e-3])
+def test_accelerate_clip_on_fsdp2_grads(max_norm):
+    """FSDP2 at world 2: a clip that does not bite (``inf``, Trainer's logging clip) re-runs nothing; one that bites
+    every step re-runs every wave."""
+    for reruns, waves, bit in run_ranks(_accelerate_clip_fsdp2_body, 2, max_norm, timeout=120):
+        assert reruns == waves * bit and bit == (0 if max_norm == float("inf") else STEPS), (reruns, waves, bit)
+
+
+def test_usage_snippet_runs_verbatim(tmp_path):
+    """docs/usage.md "With Hugging Face", executed as written; the test supplies only ``config``, ``args`` and
+    ``ds``, as a user would."""
+    from transformers import LlamaConfig, TrainingArguments
+
+    from tests.snippets import doc_snippet
+
+    gen = torch.Generator().manual_seed(2)
+    env = dict(
+        config=LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2),
+        args=TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, report_to=[],
+                               use_cpu=True, save_strategy="no", disable_tqdm=True),
+        ds=[{"input_ids": torch.randint(0, 64, (16,), generator=gen), "labels": torch.randint(0, 64, (16,),
+                                                                                              generator=gen)}
+            for _ in range(8)])
+    exec(compile(doc_snippet("docs/usage.md", "With Hugging Face"), "docs/usage.md", "exec"), env)
+    opt = env["opt"]
+    assert opt.stats["steps"] == 2 and opt.stats["ns_matrices"] > 0
+    opt.close()

@@ -247,11 +247,16 @@ class OverlapMuon(torch.optim.Optimizer):
         returns once every wave has read its gradients, before the updates land: the next forward waits per
         module, :meth:`synchronize` and :meth:`wait_for` wait on demand.
 
+        Params replaced since the last step (``fully_shard`` after construction, Accelerate's FSDP2 preparation,
+        ``model.to(device)``) are followed first: [Note: following the param groups].
+
         Returns:
             the closure's loss, if a closure is given.
 
         Raises:
             RuntimeError: a lane task of an earlier wave failed (its traceback is chained).
+            ValueError: the param groups hold a param that is not the model's, or a replaced param's state does not
+                fit its successor (on every rank; nothing of the step is applied).
             ValueError: the ranks disagree on which Muon params have a gradient (on every rank; nothing of the step
                 is applied).
         """

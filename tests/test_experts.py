@@ -427,3 +427,44 @@ def test_hf_qwen3_moe_strided_gate_up_etp2_bitwise(overlap):
     for bad, names in run_ranks(_qwen3_moe_tp_body, 2, overlap, timeout=200):
         assert names == [f"model.layers.0.mlp.experts.gate_up_proj[{e}]" for e in range(4)], names
         assert not bad, bad
+
+
+def _efsdp_body(rank, world, efsdp):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (efsdp, world // efsdp), mesh_dim_names=("efsdp", "ep"))
+    full = torch.randn(4, 6, 4, generator=torch.Generator().manual_seed(0))
+    pl = [_StridedShard(0, split_factor=2), Shard(0)] if efsdp == 1 else [Shard(1), Replicate()]
+    model = nn.Module()
+    model.w = nn.Parameter(distribute_tensor(full, mesh, pl))
+    try:
+        opt = OverlapMuon(model, experts="w", expert_mesh=mesh, **HP)
+    except ValueError as e:
+        return "error", str(e)
+    per = 4 // (world // efsdp)
+    ref = [nn.Parameter(full[rank * per + e].clone()) for e in range(per)]
+    mu = torch.optim.Muon(ref, **HP)
+    g = torch.randn(4, 6, 4, generator=torch.Generator().manual_seed(1))
+    for e, p in enumerate(ref):
+        p.grad = g[rank * per + e].clone()
+    model.w.grad = distribute_tensor(g, mesh, pl)
+    opt.step()
+    mu.step()
+    opt.synchronize()
+    ok = all(torch.equal(model.w.to_local()[e], ref[e].detach()) for e in range(per))
+    opt.close()
+    return "ok", ok
+
+
+@pytest.mark.timeout(120)
+def test_torchtitan_efsdp_size1_layout_is_accepted_and_efsdp2_is_refused():
+    """``parallelize_deepseekv3`` with EP gives the grouped experts ``(_StridedShard(0, sf=2), Shard(0))`` on
+    ``("efsdp", "ep")``. Bug: refused even with efsdp of size 1, where the strided shard is the whole tensor. Now
+    accepted (EP 2, bitwise torch.optim.Muon per expert); a shard over an efsdp dim of size 2 is an error naming
+    the dim (expert FSDP is not supported yet)."""
+    for kind, ok in run_ranks(_efsdp_body, 2, 1, timeout=90):
+        assert kind == "ok" and ok is True, (kind, ok)
+    for kind, msg in run_ranks(_efsdp_body, 2, 2, timeout=90):
+        assert kind == "error" and "'efsdp'" in msg and "expert FSDP" in msg and "(4, 6, 4)" in msg, msg

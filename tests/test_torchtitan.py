@@ -1,0 +1,198 @@
+"""torchtitan 0.3.0's own model classes and parallelize function, with the optimizer built by the
+docs/usage.md "With torchtitan" snippet, run verbatim (extracted from the doc, so the two cannot drift).
+
+Gradients are synthetic (the same full values on every rank, each rank's shard set as its ``.grad``), as in the
+other parity tests: a real backward under FSDP/TP sums in another order than one process does, and the point here
+is the optimizer on torchtitan's layouts. Every param is compared with ``torch.equal`` to one process running
+``torch.optim.Muon`` (the fused ``wqkv`` as its Q, K and V parts, each its own param) and ``torch.optim.AdamW``.
+torchtitan needs triton to import: ``tests/torchtitan_stub.py`` stands in for its one kernel module.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.dist_utils import run_ranks
+from tests.torchtitan_stub import import_torchtitan
+
+STEPS = 3
+DOC = Path(__file__).resolve().parents[1] / "docs" / "usage.md"
+
+
+def _snippet() -> str:
+    """The first python block of the doc's "With torchtitan" section."""
+    text = DOC.read_text()
+    section = text[text.index("## With torchtitan"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def _tiny_llama3():
+    """torchtitan's Llama3 class, tiny: 2 layers, dim 64, 4 query heads over 2 KV groups (GQA), head_dim 16."""
+    from torchtitan.models import llama3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    dim, vocab = 64, 128
+    cfg = llama3.Llama3Model.Config(
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
+        layers=llama3._build_llama3_layers(
+            fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, hidden_dim=96, attn_backend="flex",
+            rope=ComplexRoPE.Config(dim=16, max_seq_len=64, theta=10000, scaling="none")))
+    set_llama3_sharding_config(cfg, enable_sp=False)
+    return cfg.build()
+
+
+def _llama3_body(rank, world, tp):
+    import_torchtitan()
+    from torch.distributed.tensor import DTensor
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3 import parallelize_llama
+
+    from overlap_muon import QKVSplit
+    from tests.models import set_grad
+
+    torch.manual_seed(0)
+    model = _tiny_llama3()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.05)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    par = ParallelismConfig(tensor_parallel_degree=tp, enable_sequence_parallel=False, spmd_backend="partial_dtensor")
+    dims = ParallelDims.from_config(par, world)
+    dims.build_mesh()
+    parallelize_llama(model, parallel_dims=dims, parallelism=par, compile_config=CompileConfig(), ac_config=None,
+                      training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+                      dump_folder="/tmp")
+    scope = {"model": model}
+    exec(_snippet(), scope)  # the doc's snippet, verbatim
+    opt = scope["opt"]
+    named = dict(model.named_parameters())
+    # The reference: one process, wqkv as its Q, K, V parts (each its own Muon param), the rest whole.
+    split = QKVSplit(n_heads=4, n_kv_heads=2, head_dim=16, layout="grouped")
+    muon, pieces = {}, {}
+    for n in opt.muon_param_names:
+        if n.endswith("wqkv.weight"):
+            pieces[n] = split.parts(tuple(full[n].shape))
+            for k, rows in enumerate(pieces[n]):
+                muon[(n, k)] = nn.Parameter(full[n][rows].clone())
+        else:
+            muon[(n, None)] = nn.Parameter(full[n].clone())
+    adamw = {n: nn.Parameter(full[n].clone()) for n in full if n not in opt.muon_param_names}
+    mu = torch.optim.Muon(list(muon.values()), lr=0.02)
+    aw = torch.optim.AdamW([{"params": [p for p in adamw.values() if p.ndim != 1]},
+                            {"params": [p for p in adamw.values() if p.ndim == 1], "weight_decay": 0.0}],
+                           lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    for s in range(STEPS):
+        gen = torch.Generator().manual_seed(100 + s)
+        grads = {n: torch.randn(v.shape, generator=gen) for n, v in full.items()}
+        for n, p in named.items():
+            if isinstance(p, DTensor):
+                set_grad(p, grads[n], None, 1, 1, 0, 0)
+            else:
+                p.grad = grads[n].clone()
+        for (n, k), p in muon.items():
+            p.grad = (grads[n] if k is None else grads[n][pieces[n][k]]).clone()
+        for n, p in adamw.items():
+            p.grad = grads[n].clone()
+        opt.step()
+        opt.zero_grad()
+        mu.step()
+        aw.step()
+    opt.synchronize()
+    bad = []
+    for n, p in named.items():
+        got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if n in adamw:
+            exp = adamw[n].detach()
+        elif n in pieces:
+            exp = torch.empty_like(full[n])
+            for k, rows in enumerate(pieces[n]):
+                exp[rows] = muon[(n, k)].detach()
+        else:
+            exp = muon[(n, None)].detach()
+        if not torch.equal(got, exp):
+            bad.append(n)
+    mesh_names = tuple(named["layers.0.attention.qkv_linear.wqkv.weight"].device_mesh.mesh_dim_names)
+    names = opt.muon_param_names
+    opt.close()
+    return bad, mesh_names, names
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,tp", [(1, 1), (2, 1), (4, 2)], ids=["world1", "fsdp2", "fsdp2_tp2"])
+def test_llama3_doc_snippet_bitwise(world, tp):
+    """torchtitan's Llama3 class under its own ``parallelize_llama`` (``spmd_backend="partial_dtensor"``: the
+    default ``spmd_types`` backend refuses plain params in ``fully_shard`` on this path), on CPU gloo: world 1 (FSDP
+    over one rank), FSDP 2, and FSDP 2 x TP 2 (``wqkv`` ``(_StridedShard(0), Shard(0))`` on ``("fsdp", "tp")``).
+    The snippet's ``split=`` orthogonalizes ``wqkv``'s Q, K, V (torchtitan's grouped rows) as three matrices."""
+    why = import_torchtitan()
+    if why:
+        pytest.skip(why)
+    for bad, mesh_names, names in run_ranks(_llama3_body, world, tp, timeout=500):
+        assert mesh_names == (("fsdp", "tp") if tp > 1 else ("fsdp",)), mesh_names
+        assert "lm_head.weight" not in names and "layers.1.attention.qkv_linear.wqkv.weight" in names, names
+        assert not bad, bad
+
+
+def test_deepseek_v3_moe_experts_world1_bitwise():
+    """torchtitan's MoE model class (DeepSeek-V3 ``debugmodel``, 2 of its layers: one dense, one MoE with 8 experts)
+    with the doc's ``experts=`` pattern, ``layers.*.moe.routed_experts.inner_experts.w*`` (grouped ``w1_EFD``,
+    ``w2_EDF``, ``w3_EFD``, each ``(8, 256, 256)``): every expert matrix gets torch.optim.Muon as its own param, the
+    dense matrices (shared experts included) Muon whole, the rest AdamW, bitwise, at world 1. EP 2 is not run here:
+    the efsdp/ep placements it gives are covered by ``tests/test_experts.py``."""
+    why = import_torchtitan()
+    if why:
+        pytest.skip(why)
+    from torchtitan.models import deepseek_v3
+
+    from overlap_muon import OverlapMuon
+
+    cfg = deepseek_v3.model_registry("debugmodel").model
+    cfg.layers = cfg.layers[:2]
+    torch.manual_seed(0)
+    model = cfg.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.05)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = OverlapMuon(model, experts="layers.*.moe.routed_experts.inner_experts.w*", lr=0.02,
+                      adamw_kwargs=dict(lr=3e-4, weight_decay=0.1))
+    names = opt.muon_param_names
+    assert "layers.1.moe.routed_experts.inner_experts.w2_EDF[7]" in names, names
+    ref = {}
+    for n in names:
+        base, _, e = n.partition("[")
+        ref[n] = nn.Parameter((full[base][int(e[:-1])] if e else full[base]).clone())
+    bases = {n.partition("[")[0] for n in names}
+    adamw = {n: nn.Parameter(v.clone()) for n, v in full.items() if n not in bases}
+    mu = torch.optim.Muon(list(ref.values()), lr=0.02)
+    aw = torch.optim.AdamW(list(adamw.values()), lr=3e-4, weight_decay=0.1)
+    for s in range(2):
+        gen = torch.Generator().manual_seed(100 + s)
+        grads = {n: torch.randn(v.shape, generator=gen) for n, v in full.items()}
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        for n, p in ref.items():
+            base, _, e = n.partition("[")
+            p.grad = (grads[base][int(e[:-1])] if e else grads[base]).clone()
+        for n, p in adamw.items():
+            p.grad = grads[n].clone()
+        opt.step()
+        mu.step()
+        aw.step()
+    opt.synchronize()
+    got = dict(model.named_parameters())
+    bad = [n for n in ref if not torch.equal(got[n.partition("[")[0]][int(n.partition("[")[2][:-1])]
+                                             if "[" in n else got[n], ref[n].detach())]
+    bad += [n for n in adamw if not torch.equal(got[n], adamw[n].detach())]
+    opt.close()
+    assert not bad, bad

@@ -223,3 +223,20 @@ def train_pair(model, opt, ref, ref_opts, xs, steps, between=None) -> None:
                 o.step()
             for o in opts:
                 o.zero_grad()
+
+
+def torch_ref_opts(ref: nn.Module) -> list[torch.optim.Optimizer]:
+    """``torch.optim.Muon`` on ``ref``'s ``nn.Linear`` weights and ``torch.optim.AdamW`` on the rest (``HP``,
+    ``ADAMW_KW``): the reference of the default split."""
+    lin = {id(m.weight) for m in ref.modules() if isinstance(m, nn.Linear)}
+    return [torch.optim.Muon([p for p in ref.parameters() if id(p) in lin], **HP),
+            torch.optim.AdamW([p for p in ref.parameters() if id(p) not in lin], **ADAMW_KW)]
+
+
+def fully_shard_tiny(model: TinyNet, mesh) -> None:
+    """FSDP2 on a ``TinyNet``: ``up``, ``gate``, ``down`` each their own group, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for name in ("up", "gate", "down"):
+        fully_shard(model.get_submodule(name), mesh=mesh)
+    fully_shard(model, mesh=mesh)

@@ -17,23 +17,9 @@ from torch import nn
 
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, HP, TinyNet
+from tests.models import ADAMW_KW, HP, TinyNet, fully_shard_tiny, torch_ref_opts
 
 X = [torch.randn(4, 12, generator=torch.Generator().manual_seed(700 + s)) for s in range(4)]
-
-
-def _ref_opts(ref: nn.Module) -> list[torch.optim.Optimizer]:
-    lin = {id(m.weight) for m in ref.modules() if isinstance(m, nn.Linear)}
-    return [torch.optim.Muon([p for p in ref.parameters() if id(p) in lin], **HP),
-            torch.optim.AdamW([p for p in ref.parameters() if id(p) not in lin], **ADAMW_KW)]
-
-
-def _shard(model: nn.Module, mesh) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for name in ("up", "gate", "down"):
-        fully_shard(model.get_submodule(name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
 
 
 def _accelerate_fsdp2_order(opt: torch.optim.Optimizer, model: nn.Module, mesh) -> None:
@@ -47,7 +33,7 @@ def _accelerate_fsdp2_order(opt: torch.optim.Optimizer, model: nn.Module, mesh) 
         for i, p in enumerate(group["params"]):
             group["params"][i] = torch.empty(1, dtype=p.dtype)
             group["params"][i].data_ptr = p.data_ptr()
-    _shard(model, mesh)
+    fully_shard_tiny(model, mesh)
     new = dict(model.named_parameters())
     fsdp2_switch_optimizer_parameters(opt, {old[n]: new[n] for n in old})
 
@@ -58,13 +44,13 @@ def _body(rank, world, order, steps, **kw):
     torch.manual_seed(0)
     model = TinyNet()
     ref = copy.deepcopy(model)
-    ref_opts = _ref_opts(ref)
+    ref_opts = torch_ref_opts(ref)
     opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, **HP, **kw)
     mesh = init_device_mesh("cpu", (world,))
     if order == "accelerate":
         _accelerate_fsdp2_order(opt, model, mesh)
     else:
-        _shard(model, mesh)
+        fully_shard_tiny(model, mesh)
     reruns, in_backward = [], []
     for s in range(steps):
         launched = opt.stats["waves_launched"]
@@ -111,7 +97,7 @@ def _state_then_shard_body(rank, world):
     opt.step()
     opt.zero_grad()
     before = [p.detach().clone() for p in model.parameters()]
-    _shard(model, init_device_mesh("cpu", (world,)))
+    fully_shard_tiny(model, init_device_mesh("cpu", (world,)))
     model(X[1]).pow(2).mean().backward()
     try:
         opt.step()

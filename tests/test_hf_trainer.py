@@ -132,18 +132,15 @@ def _accelerate_clip_fsdp2_body(rank, world, max_norm):
     """The clipping Trainer does, ``Accelerator.clip_grad_norm_``, on FSDP2 (DTensor) gradients at world 2."""
     from accelerate import Accelerator
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from tests.models import TinyNet
+    from tests.models import TinyNet, fully_shard_tiny
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = TinyNet()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("remat",))
-    for name in ("up", "gate", "down"):
-        fully_shard(model.get_submodule(name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard_tiny(model, mesh)
     opt = OverlapMuon(model, device_mesh=mesh, **HP, adamw_kwargs=ADAMW_KW)
     x = torch.randn(4, 12, generator=torch.Generator().manual_seed(3))
     bites = []

@@ -20,7 +20,7 @@ from torch import nn
 
 from tests.seams import SeamedOverlapMuon as OverlapMuon, TestingSeam
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, HP, TinyNet, local, train_pair
+from tests.models import ADAMW_KW, HP, TinyNet, fully_shard_tiny, local, torch_ref_opts, train_pair
 
 X = [torch.randn(4, 12, generator=torch.Generator().manual_seed(300 + s)) for s in range(6)]
 # A test seam makes NS slow, as a large model's is, so that the updates are still in flight when the loop reads or
@@ -35,13 +35,7 @@ def _pair(model_cls=TinyNet, **kw):
     model = model_cls()
     ref = copy.deepcopy(model)
     opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, **HP, **{**SLOW, **kw})
-    return model, opt, ref, _ref_opts(ref)
-
-
-def _ref_opts(ref: nn.Module) -> list[torch.optim.Optimizer]:
-    lin = {id(m.weight) for m in ref.modules() if isinstance(m, nn.Linear)}
-    return [torch.optim.Muon([p for p in ref.parameters() if id(p) in lin], **HP),
-            torch.optim.AdamW([p for p in ref.parameters() if id(p) not in lin], **ADAMW_KW)]
+    return model, opt, ref, torch_ref_opts(ref)
 
 
 def _differ(a: nn.Module, b: nn.Module) -> list[str]:
@@ -153,17 +147,14 @@ def test_4_post_local_sgd_optimizer_around_it(world):
 # ---------------------------------------------------------------------------------------------------------------
 def _unshard_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     full = TinyNet()
     ref = copy.deepcopy(full)
-    ref_opts = _ref_opts(ref)
+    ref_opts = torch_ref_opts(ref)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("remat",))
     model = copy.deepcopy(full)
-    for name in ("up", "gate", "down"):
-        fully_shard(model.get_submodule(name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard_tiny(model, mesh)
     opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, **HP, **SLOW)
     for s in range(3):
         model.unshard()  # explicit prefetch, as in PyTorch's FSDP2 example: gathers before any forward pre-hook
@@ -215,7 +206,7 @@ def test_6_gradual_unfreezing_with_weights_read_in_a_parent(mode):
         for lin in (m.q, m.k, m.v):
             lin.weight.requires_grad_(False)
     opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, wave_slots=1, **HP, **SLOW, **mode)
-    ref_opts = _ref_opts(ref)
+    ref_opts = torch_ref_opts(ref)
     with pytest.warns(UserWarning, match="q.weight") if mode else contextlib.nullcontext():
         _train(model, opt, ref, ref_opts, range(2))
         for m in (model, ref):
@@ -323,7 +314,7 @@ def test_9_lora_frozen_base_costs_no_optimizer_memory():
         p.requires_grad_("lora_" in n)
     ref = copy.deepcopy(model)
     opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, **HP)
-    ref_opts = _ref_opts(ref)
+    ref_opts = torch_ref_opts(ref)
     assert _state_bytes(opt) == 0
     _train(model, opt, ref, ref_opts, range(3))
     opt.synchronize()

@@ -10,27 +10,15 @@ torchtitan needs triton to import: ``tests/torchtitan_stub.py`` stands in for it
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 from tests.dist_utils import run_ranks
+from tests.snippets import doc_snippet
 from tests.torchtitan_stub import import_torchtitan
 
 STEPS = 3
-DOC = Path(__file__).resolve().parents[1] / "docs" / "usage.md"
-
-
-def _snippet() -> str:
-    """The first python block of the doc's "With torchtitan" section."""
-    text = DOC.read_text()
-    section = text[text.index("## With torchtitan"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
 def _tiny_llama3():
     """torchtitan's Llama3 class, tiny: 2 layers, dim 64, 4 query heads over 2 KV groups (GQA), head_dim 16."""
     from torchtitan.models import llama3
@@ -73,7 +61,7 @@ def _llama3_body(rank, world, tp):
                       training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
                       dump_folder="/tmp")
     scope = {"model": model}
-    exec(_snippet(), scope)  # the doc's snippet, verbatim
+    exec(doc_snippet("docs/usage.md", "With torchtitan"), scope)  # the doc's snippet, verbatim
     opt = scope["opt"]
     named = dict(model.named_parameters())
     # The reference: one process, wqkv as its Q, K, V parts (each its own Muon param), the rest whole.

@@ -2,9 +2,8 @@
 mesh error alone, the default Muon/AdamW split and its log, HF ``Conv1D`` weights, AdamW param groups.
 
 The models here copy the libraries' layouts and names, so that these checks run without either library (the real
-classes are in ``tests/test_torchtitan.py`` and ``tests/test_hf_trainer.py``): ``TitanLike`` (the names of
-torchtitan Llama3 before it fused Q, K and V) has torchtitan Llama3's module names and its
-``parallelize_llama`` TP plan (without sequence parallel) on meshes named as torchtitan names them; ``LlamaLike`` has
+classes are in ``tests/test_torchtitan.py`` and ``tests/test_hf_trainer.py``): ``TitanLike`` has the module
+names torchtitan's Llama3 had before it fused Q, K and V, and its ``parallelize_llama`` TP plan (without sequence parallel) on meshes named as torchtitan names them; ``LlamaLike`` has
 HF ``LlamaForCausalLM``'s names and ``get_input/output_embeddings``; ``Conv1D`` is HF's ``pytorch_utils.Conv1D``.
 Parity is ``torch.equal``: against overlap off and duplicated mode on the same mesh, or against ``torch.optim.Muon``
 + ``torch.optim.AdamW`` in one process.

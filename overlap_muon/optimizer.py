@@ -147,7 +147,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self._muon = placed.muon
         comm = builder.make_groups(placed, self.config, self._rank)
         self.domain, self.expert_domain = comm.dom_to, comm.expert[0] if comm.expert else Domain.single()
-        self._model = weakref.ref(model)
+        self._model = model  # held as torch optimizers hold their params (the params it replaces are not)
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._rt = Runtime(self, comm, self.defaults["ns_steps"])
         self._finalizer = self._rt.hook(self, model, weak_callback(self._sync_hook))
@@ -176,8 +176,8 @@ class OverlapMuon(torch.optim.Optimizer):
         dim), the state of a replaced param moves to its successor when the shapes fit (a ``ValueError``
         otherwise), and the hooks move to the new params. The step that re-binds launches every wave in
         ``step()`` (backward ran before the hooks moved); the next ones overlap again."""
-        model = self._model()
-        if model is None or self._binding(model) == self._bound:
+        model = self._model
+        if self._binding(model) == self._bound:
             return
         self.synchronize()
         self._rt.pipeline.discard()
@@ -267,7 +267,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self._follow_params()
         self._rt.phase = StepPhase.STEP
         try:
-            ok, norm = self._rt.prepare(self.max_grad_norm, list(self._model().parameters()))
+            ok, norm = self._rt.prepare(self.max_grad_norm, list(self._model.parameters()))
             self.last_grad_norm = norm if norm is not None else getattr(self, "last_grad_norm", None)
             self._rt.launch_rest(ok)
             self._commit(ok)

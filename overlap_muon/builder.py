@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from .checks import differs_across_ranks, option_errors, raise_everywhere
 from .comm import CommContext, build_comm
 from .config import OverlapMuonConfig
-from .discovery import discover_expert_layouts, discover_layouts, mesh_dims, my_coords
+from .discovery import discover_expert_layouts, discover_layouts, discover_stages, mesh_dims, my_coords
 from .domain import MuonParam
 from .muon_math import check_hyperparameters
 from .placement import place_params
@@ -66,6 +66,9 @@ class Placement:
     elayouts: list[list[list[int]]] | None
     """The same for the expert domains."""
     has_experts: bool
+    """Some rank of the job has expert params (the expert groups are made on every rank)."""
+    stages: list[list[int]] | None = None
+    """Every pipeline stage's ranks ([Note: pipeline stages] in ``discovery.py``; ``None``: one process)."""
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
@@ -191,7 +194,7 @@ def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter
     ([Note: what is checked where]); rank 0 logs the split.
 
     ``mesh``: ``device_mesh``, ``remat_dim``, ``tp_dim``, ``tp_group``, ``remat_group``, ``expert_mesh``,
-    ``ep_dim``, ``etp_dim``, ``etp_group`` as the constructor got them.
+    ``ep_dim``, ``etp_dim``, ``etp_group``, ``pp_dim``, ``pp_group`` as the constructor got them.
 
     Raises:
         ValueError / TypeError: as ``OverlapMuon`` documents, on every rank.
@@ -201,6 +204,7 @@ def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter
     muon_named, adamw_named, expert_ids, errors = sort_params(model, muon_filter, experts)
     layouts, mesh_err = discover_layouts(m["device_mesh"], m["tp_group"], m["remat_group"], m["remat_dim"], m["tp_dim"])
     elayouts, emesh_err = discover_expert_layouts(m["expert_mesh"], m["etp_group"], m["ep_dim"], m["etp_dim"])
+    stages = discover_stages(m["device_mesh"], m["pp_dim"], m["pp_group"])
     raise_everywhere([e for e in (mesh_err, emesh_err) if e])
     R, T, g, t = my_coords(layouts, rank)
     _, ET, _, et = my_coords(elayouts, rank)
@@ -210,8 +214,12 @@ def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter
                                    (m["expert_mesh"], m["ep_dim"], m["etp_dim"], ET, et))
     expert_layout = m["expert_mesh"] is not None or m["etp_group"] is not None
     _warn_layout(rank, multi, experts, adamw_named, muon_named, expert_ids, expert_layout, layouts)
-    errors += described + _layout_errors(muon_named, expert_ids, expert_layout, len(adamw_named))
+    stage_errors, experts_anywhere = _layout_errors(muon_named, expert_ids, expert_layout, len(adamw_named), stages)
+    errors += described + stage_errors
     errors += option_errors(config)
+    if stages is not None and len(stages) > 1 and config.dp_slots:
+        errors.append("dp_slots with several pipeline stages is not supported yet: turn it off "
+                      "(OVERLAP_MUON_DP_SLOTS=0)")
     errors += _split_errors(split, muon)
     if max_grad_norm is not None and (R * T > 1 or multi and expert_ids) and any(
             not isinstance(x.param, DTensor) for x in muon):
@@ -224,9 +232,13 @@ def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter
         errors.append(str(e))
         groups = []
     raise_everywhere(errors)
-    if rank == 0:
+    if rank == (stages[_stage_index(stages, rank)][0] if stages else 0):  # each stage's first rank
         _log_split(muon, groups, all_named)
-    return Placement(muon, groups, layouts, elayouts, bool(expert_ids))
+    return Placement(muon, groups, layouts, elayouts, experts_anywhere, stages)
+
+
+def _stage_index(stages: list[list[int]], rank: int) -> int:
+    return next(i for i, s in enumerate(stages) if rank in s)
 
 
 def _warn_layout(rank: int, multi: bool, experts: Any, adamw_named: list, muon_named: list, expert_ids: set[int],
@@ -255,24 +267,31 @@ def _split_errors(split: Any, muon: list[MuonParam]) -> list[str]:
 
 
 def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], expert_layout: bool,
-                   n_adamw: int) -> list[str]:
-    """Collective: an expert layout given with no expert param selected, expert counts that differ by rank (which
-    would otherwise surface as a plan mismatch naming an unrelated param), or AdamW param counts that differ by rank
-    (the step's agreement carries one flag per AdamW param: [Note: lazy state] in ``state.py``)."""
+                   n_adamw: int, stages: list[list[int]] | None) -> tuple[list[str], bool]:
+    """Collective: an expert layout given with no expert param selected, expert counts that differ by rank of a
+    stage (which would otherwise surface as a plan mismatch naming an unrelated param), or AdamW param counts that
+    differ by rank of a stage (the step's agreement carries one flag per AdamW param: [Note: lazy state] in
+    ``state.py``). Also returns whether any rank of the job has expert params (every rank makes the expert groups
+    then: group creation is collective over the job)."""
     errors = (["expert_mesh/etp_group given but experts= selects no Muon param"]
               if expert_layout and not expert_ids else [])
     held = [(n, int(p.shape[0]) if p.ndim == 3 else 1) for n, p in muon_named if id(p) in expert_ids]
-    per_rank = differs_across_ranks((held, n_adamw))  # on every rank, whatever it holds
-    if per_rank is not None and any(h[1] != per_rank[0][1] for h in per_rank):
-        errors.append(f"the ranks hold different numbers of AdamW params ({[h[1] for h in per_rank]} by rank); every "
-                      "rank must build the same model")
-    per_rank = [h[0] for h in per_rank] if per_rank is not None and any(h[0] != per_rank[0][0] for h in per_rank) \
-        else None
-    if per_rank is not None:
-        errors.append(f"the ranks hold different expert params (name, experts held) -- "
-                      f"{'; '.join(f'rank {r}: {h}' for r, h in enumerate(per_rank))[:600]}; every EP rank must hold "
-                      "the same expert params with the same number of experts")
-    return errors
+    everyone = differs_across_ranks((held, n_adamw))  # on every rank, whatever it holds
+    if everyone is None:  # every rank the same (or one process)
+        return errors, bool(expert_ids)
+    experts_anywhere = any(h[0] for h in everyone)
+    for stage in stages or [list(range(len(everyone)))]:
+        per_rank = [everyone[r] for r in stage]
+        label = f" of pipeline stage {stages.index(stage)}" if stages and len(stages) > 1 else ""
+        if any(h[1] != per_rank[0][1] for h in per_rank):
+            errors.append(f"the ranks{label} hold different numbers of AdamW params "
+                          f"({[h[1] for h in per_rank]} by rank {stage}); every rank of a stage must build the same "
+                          "model")
+        if any(h[0] != per_rank[0][0] for h in per_rank):
+            errors.append(f"the ranks{label} hold different expert params (name, experts held) -- "
+                          f"{'; '.join(f'rank {r}: {h[0]}' for r, h in zip(stage, per_rank))[:600]}; every EP rank "
+                          "must hold the same expert params with the same number of experts")
+    return errors, experts_anywhere
 
 
 def _log_split(muon: list[MuonParam], adamw_groups: list[dict[str, Any]], named: dict[str, Tensor]) -> None:
@@ -292,12 +311,13 @@ def _log_split(muon: list[MuonParam], adamw_groups: list[dict[str, Any]], named:
 def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommContext:
     """Every process group of the runtime (``comm.build_comm``; collective over the default group)."""
     distributed = p.layouts is not None and dist.get_world_size() > 1
-    dp_on = distributed and len(p.layouts) > 1 and config.dp_slots and config.mode == "layer_sharded"
+    dp_on = (distributed and len(p.layouts) > 1 and config.dp_slots and config.mode == "layer_sharded"
+             and not (p.stages and len(p.stages) > 1))
     if dp_on and config.surplus != "idle":
         warnings.warn(f"OverlapMuon: surplus={config.surplus!r} is not combined with DP slots yet; the waves "
                       "run as surplus='idle' (the replicas still share the NS work)", stacklevel=3)
     return build_comm(p.layouts, p.elayouts, rank, timeout_s=config.pg_timeout_s, dp_slots=dp_on,
-                      team=not dp_on and config.surplus in ("team", "auto"), experts=p.has_experts)
+                      team=not dp_on and config.surplus in ("team", "auto"), experts=p.has_experts, stages=p.stages)
 
 
 def ns_costs(muon: list[MuonParam], ns_steps: int) -> list[float]:

@@ -34,13 +34,15 @@ def raise_everywhere(errors: list[str]) -> None:
         raise ValueError("OverlapMuon: " + "; ".join(msgs[:8]) + more)
 
 
-def differs_across_ranks(value: Any) -> list[Any] | None:
-    """Every rank's ``value`` (picklable) when they are not all equal, else ``None``. Collective over the default
-    group (``all_gather_object``); ``None`` in one process."""
+def differs_across_ranks(value: Any, among: Sequence[int] | None = None) -> list[Any] | None:
+    """The ``value`` (picklable) of every rank of ``among`` (default: every rank), in that order, when they are not
+    all equal, else ``None``. Collective over the default group (``all_gather_object``, every rank whatever
+    ``among``); ``None`` in one process."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
+    values = [values[r] for r in among] if among is not None else values
     return None if all(v == values[0] for v in values) else values
 
 
@@ -59,24 +61,32 @@ def option_errors(config: OverlapMuonConfig) -> list[str]:
             "the same arguments and environment"]
 
 
-def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], plans: Sequence[Any] = ()) -> None:
-    """Every rank must plan the same waves, or the exchanges would pair up wrongly: compare a hash of the plan
-    (``scheduler.plan_hash``, over the params' places and ``plans``: each wave plan's ``describe()``) across ranks,
-    once, at construction (the options were compared before the groups were made, :func:`option_errors`).
+def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], plans: Sequence[Any] = (),
+                          stages: Sequence[Sequence[int]] | None = None) -> None:
+    """Every rank of a stage must plan the same waves, or the exchanges would pair up wrongly: compare a hash of
+    the plan (``scheduler.plan_hash``, over the params' places and ``plans``: each wave plan's ``describe()``)
+    across the ranks of each of ``stages`` (default: one stage, every rank; [Note: pipeline stages] in
+    ``discovery.py``), once, at construction (the options were compared before the groups were made,
+    :func:`option_errors`).
 
     Raises:
-        ValueError: on every rank, naming the first param whose place in the plan differs.
+        ValueError: on every rank of every stage, naming the first param whose place in the plan differs.
     """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
+    stages = stages or [list(range(dist.get_world_size()))]
     names = [m.name for m in muon]
     fps = param_fingerprints(names, [m.full_shape for m in muon], [m.partition_dim for m in muon],
                              waves)
     hashes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(hashes, plan_hash(fps, tuple(plans)))
-    if len(set(hashes)) == 1:
+    odd = next((s for s in stages if len({hashes[r] for r in s}) > 1), None)
+    if odd is None:
         return
     both: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(both, (fps, names))
-    diff = first_plan_difference([b[0] for b in both], [b[1] for b in both])
-    raise ValueError(diff.message() if diff is not None else "OverlapMuon: the ranks planned different waves")
+    diff = first_plan_difference([both[r][0] for r in odd], [both[r][1] for r in odd])
+    msg = diff.message() if diff is not None else "OverlapMuon: the ranks planned different waves"
+    if len(stages) > 1:
+        msg = f"pipeline stage {list(stages).index(odd)} (global ranks {list(odd)}, numbered 0.. below): {msg}"
+    raise ValueError(msg)

@@ -153,17 +153,23 @@ class CommContext:
     dom_from: Domain
     """The same domain with the scatter lane's own groups (wave k+1's gather runs beside wave k's scatter)."""
     ctrl: ProcessGroup | None
-    """gloo, every rank of the job: ``step()``'s agreement on stale waves and gradient presence."""
+    """gloo, every rank of this rank's pipeline stage (of the job, without PP): ``step()``'s agreement on stale
+    waves and gradient presence."""
     team: ProcessGroup | None
     """``surplus="team"|"auto"``: the compute lane's own group over the dense domain (team NS collectives)."""
     dp: DPSlots | None
     """``dp_slots``: the replicas' DP groups (the DP swap, on the scatter lane)."""
     expert: tuple[Domain, Domain, ProcessGroup | None] | None
     """Expert domain: gather lane's, scatter lane's, and a gloo group over it for ``step()``'s presence agreement."""
+    stages: list[list[int]] | None = None
+    """Every pipeline stage's ranks (``None``: one process)."""
+    stage_root: int = 0
+    """The first global rank of this rank's pipeline stage (the source of its broadcasts)."""
 
 
 def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[int]]] | None, rank: int, *,
-               timeout_s: float, team: bool, dp_slots: bool, experts: bool) -> CommContext:
+               timeout_s: float, team: bool, dp_slots: bool, experts: bool,
+               stages: list[list[int]] | None = None) -> CommContext:
     """Create every group of one optimizer. Collective over the default group.
 
     Args:
@@ -174,13 +180,21 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
         team: make the team group (``surplus="team"|"auto"``, no DP slots).
         dp_slots: make the DP-slot groups (the replicas share the dense domain's NS work).
         experts: make the expert domain's groups.
+        stages: every pipeline stage's ranks ([Note: pipeline stages] in ``discovery.py``); ``step()``'s agreement
+            group is this rank's stage (``None`` or one stage: every rank).
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     distributed = layouts is not None and dist.get_world_size() > 1
     dom_to = domain_from_layouts(layouts, timeout=timeout) if distributed else Domain.single()
     dom_from = domain_from_layouts(layouts, timeout=timeout, with_ctrl=False) if distributed else Domain.single()
     experts_on = experts and elayouts is not None and dist.get_world_size() > 1
-    ctrl = dist.new_group(backend="gloo", timeout=timeout) if distributed or experts_on else None
+    ctrl = None
+    if distributed or experts_on:
+        if stages is not None and len(stages) > 1:  # one per stage, every rank making every one, in stage order
+            ctrl = [g for s in stages for g in [dist.new_group(ranks=s, backend="gloo", timeout=timeout)]
+                    if rank in s][0]
+        else:
+            ctrl = dist.new_group(backend="gloo", timeout=timeout)
     team_group = domain_group(layouts, timeout, backend=None) if distributed and team else None
     dp = None
     if distributed and dp_slots:
@@ -190,4 +204,5 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
     if experts_on:
         expert = (domain_from_layouts(elayouts, timeout=timeout),
                   domain_from_layouts(elayouts, timeout=timeout, with_ctrl=False), domain_group(elayouts, timeout))
-    return CommContext(dom_to, dom_from, ctrl, team_group, dp, expert)
+    root = next((s[0] for s in stages or () if rank in s), 0)
+    return CommContext(dom_to, dom_from, ctrl, team_group, dp, expert, stages, root)

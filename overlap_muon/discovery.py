@@ -108,6 +108,31 @@ def discover_layouts(
     return _gather_layouts(layout), None
 
 
+def discover_stages(mesh: Any, pp_dim: str | None, pp_group: ProcessGroup | None) -> list[list[int]] | None:
+    """[Note: pipeline stages] Under pipeline parallelism every rank builds its optimizer on its own stage: the
+    ranks of one stage (its domains and their data-parallel replicas) hold the same params, the ranks of another
+    stage hold others. A stage is named by this rank's index on the mesh's ``pp_dim`` (a dim outside every domain,
+    like ``dp_replicate``; the params live on the sub-mesh without it), or by its rank in ``pp_group`` (explicit
+    groups: the ranks that hold the other stages of this rank's pipeline); without either, the job is one stage.
+    The construction checks compare the ranks of a stage, and ``step()``'s agreement runs within it. Collective
+    over the default group (``all_gather_object``) when distributed.
+
+    Returns:
+        Every stage's global ranks (sorted, ordered by stage index, identical on every rank), or ``None`` for one
+        process.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    key = 0
+    if mesh is not None and pp_dim is not None and pp_dim in tuple(mesh.mesh_dim_names or ()):
+        key = mesh.get_local_rank(pp_dim)
+    elif pp_group is not None:
+        key = dist.get_group_rank(pp_group, dist.get_rank())
+    keys: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    return [[r for r, k in enumerate(keys) if k == s] for s in sorted(set(keys))]
+
+
 def _gather_layouts(layout: list[list[int]]) -> list[list[list[int]]]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [layout]

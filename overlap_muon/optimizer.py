@@ -82,6 +82,11 @@ class OverlapMuon(torch.optim.Optimizer):
         expert_mesh, ep_dim, etp_dim, etp_group: the expert params' ``DeviceMesh`` and its EP and expert-TP dims
             (3-D params ``Shard(0)`` on ``ep_dim``), or this rank's ETP group for plain shards; without either,
             every rank's experts are its own (docs/usage.md, "Experts").
+        pp_dim, pp_group: pipeline parallelism, each rank building its optimizer on its own stage: the mesh dim
+            whose indices hold different stages (outside every domain; the params live on the sub-mesh without
+            it), or this rank's PP group for explicit groups. The construction checks then compare the ranks of a
+            stage, and ``step()`` agrees within it ([Note: pipeline stages] in ``discovery.py``). See
+            :meth:`attach_pipeline_stage`.
         mode, fused_a2a, batch_ns, balance, overlap, wave_plan, wave_slots, side_streams, nvtx, pg_timeout_s,
             readiness_order, skip_nonfinite, syrk, check_grad_presence: options (``overlap_muon.config``); ``None``
             takes the environment variable or the default.
@@ -110,7 +115,8 @@ class OverlapMuon(torch.optim.Optimizer):
         device_mesh: Any = None, remat_dim: str | None = "remat", tp_dim: str | None = "tp",
         adamw_groups: list[dict[str, Any]] | None = None, tp_group: dist.ProcessGroup | None = None,
         remat_group: dist.ProcessGroup | None = None, experts: Any = None, expert_mesh: Any = None,
-        ep_dim: str = "ep", etp_dim: str = "etp", etp_group: dist.ProcessGroup | None = None, **options: Any,
+        ep_dim: str = "ep", etp_dim: str = "etp", etp_group: dist.ProcessGroup | None = None,
+        pp_dim: str | None = "pp", pp_group: dist.ProcessGroup | None = None, **options: Any,
     ) -> None:
         model, ddp = builder.unwrap(model)
         hp = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, eps=eps,
@@ -120,7 +126,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         mesh = dict(device_mesh=device_mesh, remat_dim=remat_dim, tp_dim=tp_dim, tp_group=tp_group,
                     remat_group=remat_group, expert_mesh=expert_mesh, ep_dim=ep_dim, etp_dim=etp_dim,
-                    etp_group=etp_group)
+                    etp_group=etp_group, pp_dim=pp_dim, pp_group=pp_group)
         # What placement needs again when the params are replaced ([Note: following the param groups]).
         self._recipe = dict(muon_filter=muon_filter, experts=experts, split=split, max_grad_norm=max_grad_norm,
                             adamw_groups=adamw_groups, mesh=mesh)
@@ -131,6 +137,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self._link_adamw()  # State is created at a param's first gradient, as torch does ([Note: lazy state]).
         self.stats: dict[str, int] = defaultdict(int)
         self._ddp: Any = None
+        self._stages: list[Any] = []
         self._bind(model, placed)
         self._step_count, self._warned_reruns, self._built = 0, False, True
         if ddp is not None:
@@ -205,6 +212,9 @@ class OverlapMuon(torch.optim.Optimizer):
         self._link_adamw()
         if self._ddp is not None and self._ddp() is not None:
             self._rt.attach_ddp(self._ddp())
+        for stage in [ref() for ref in self._stages]:
+            if stage is not None:
+                self._rt.attach_pipeline_stage(stage)
 
     _pipeline = property(lambda self: self._rt.pipeline)
     _plans = property(lambda self: self._rt.plans)
@@ -388,6 +398,23 @@ class OverlapMuon(torch.optim.Optimizer):
             raise TypeError(f"attach_ddp expects a DistributedDataParallel, got {type(ddp_model).__name__}")
         self._ddp = weakref.ref(ddp_model)
         self._rt.attach_ddp(ddp_model)
+
+    def attach_pipeline_stage(self, stage: Any) -> None:
+        """Launch the waves of ``stage``'s params once per schedule step, when its gradients are final (after the
+        last micro-batch's backward, the reduction and the schedule's ``scale_grads``), instead of from per-param
+        hooks that would launch them for every micro-batch: NS runs once per matrix per step and the scaling
+        re-runs nothing ([Note: pipeline readiness] in ``hooks/pipeline_stage.py``). Call it once per stage of
+        this rank that holds params of this optimizer (``torch.distributed.pipelining`` schedules: GPipe, 1F1B,
+        Interleaved1F1B, ...).
+
+        Raises:
+            TypeError: ``stage`` is not a pipelining stage (no ``submod``).
+        """
+        if not hasattr(stage, "submod") or not hasattr(stage, "scale_grads"):
+            raise TypeError(f"attach_pipeline_stage expects a torch.distributed.pipelining stage, got "
+                            f"{type(stage).__name__}")
+        self._stages.append(weakref.ref(stage))
+        self._rt.attach_pipeline_stage(stage)
 
     def close(self) -> None:
         """Wait for everything, remove the hooks and stop the lane threads. Idempotent."""

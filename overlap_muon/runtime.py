@@ -22,7 +22,7 @@ from .clip import clip_grads_by_total_norm_
 from .comm import CommContext
 from .domain import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
-from .hooks import GradReadyTracker, ddp_readiness_hook, weak_callback
+from .hooks import GradReadyTracker, ddp_readiness_hook, watch_stage, weak_callback
 from .pipeline import WavePipeline
 from .scheduler import ReadinessRecorder, WaveDispatcher
 from .wave_state import Hyper
@@ -91,7 +91,8 @@ class Runtime:
         self.waits: ForwardWaits | None = None
         self.fsdp_roots: list[nn.Module] = []
         self.plan(list(reversed(range(len(muon)))))
-        check_plan_everywhere(muon, self.waves, [p.describe() for p in self.plans])
+        self.stage_root = comm.stage_root
+        check_plan_everywhere(muon, self.waves, [p.describe() for p in self.plans], comm.stages)
 
     def plan(self, order: list[int]) -> None:
         """Plan the waves for a gradient-ready ``order`` (``builder.plan``); hand their frozen plans to the
@@ -130,6 +131,18 @@ class Runtime:
         state, hook = ddp_readiness_hook(lambda idx: [on_ready(i) for i in idx], dict(self.index.first),
                                          process_group=ddp_model.process_group)
         ddp_model.register_comm_hook(state, hook)
+
+    def attach_pipeline_stage(self, stage: Any) -> None:
+        """Readiness from a pipelining stage, once its gradients are final ([Note: pipeline readiness] in
+        ``hooks/pipeline_stage.py``), instead of the per-param hooks (``OverlapMuon.attach_pipeline_stage``)."""
+        if not self.config.overlap or not self.muon:
+            return
+        if self.tracker is not None:
+            self.tracker.remove()
+            self.tracker = None
+        mine = [(self.index.first[id(p)], p) for p in stage.submod.parameters() if id(p) in self.index.first]
+        on_ready = weak_callback(self.on_ready)
+        self.handles.append(watch_stage(stage, lambda: [on_ready(i) for i, p in mine if p.grad is not None]))
 
     # hooks -> dispatcher -> pipeline
     def on_ready(self, first: int) -> None:
@@ -215,11 +228,12 @@ class Runtime:
                 root.set_post_optim_event(event)
 
     def _adopt_observed_order(self) -> None:
-        """After the first step: broadcast rank 0's observed readiness order and re-plan the waves with it."""
+        """After the first step: broadcast the observed readiness order of the stage's first rank (rank 0 without
+        pipeline stages) and re-plan the waves with it."""
         assert self.recorder is not None
         self.pipeline.synchronize()
         order = [self.recorder.order()]
         if self.pipeline.ctrl_group is not None:
-            dist.broadcast_object_list(order, src=0, group=self.pipeline.ctrl_group)
+            dist.broadcast_object_list(order, src=self.stage_root, group=self.pipeline.ctrl_group)
         self.recorder = None
         self.plan(list(order[0]))

@@ -133,7 +133,8 @@ class PlanDifference(tuple):
             f"{what}: the wave plan differs across ranks, first at Muon param #{self.index} {self.name!r} "
             f"(ranks {list(self.ranks)} differ from rank 0 there: name, full shape, partition_dim, wave or "
             "home). Every rank must build the same model (same Muon params, names and shapes, in the same "
-            "order) and pass the same optimizer settings."
+            "order) and pass the same optimizer settings; under pipeline parallelism every rank of a stage "
+            "(pass pp_group=, or a device_mesh with a 'pp' dim, so that each stage is checked on its own)."
         )
 
 

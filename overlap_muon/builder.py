@@ -285,8 +285,9 @@ def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], e
         label = f" of pipeline stage {stages.index(stage)}" if stages and len(stages) > 1 else ""
         if any(h[1] != per_rank[0][1] for h in per_rank):
             errors.append(f"the ranks{label} hold different numbers of AdamW params "
-                          f"({[h[1] for h in per_rank]} by rank {stage}); every rank of a stage must build the same "
-                          "model")
+                          f"({[h[1] for h in per_rank]} by rank {stage}); every rank must build the same model"
+                          + (" (under pipeline parallelism: every rank of a stage; pass pp_group=, or a device_mesh "
+                             "with a 'pp' dim, so that each stage is checked on its own)" if not label else ""))
         if any(h[0] != per_rank[0][0] for h in per_rank):
             errors.append(f"the ranks{label} hold different expert params (name, experts held) -- "
                           f"{'; '.join(f'rank {r}: {h[0]}' for r, h in zip(stage, per_rank))[:600]}; every EP rank "

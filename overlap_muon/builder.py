@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checks import differs_across_ranks, option_errors, raise_everywhere
-from .comm import CommContext, build_comm
+from .comm import CommContext, build_comm, stage_group
 from .config import OverlapMuonConfig
 from .discovery import discover_expert_layouts, discover_layouts, discover_stages, mesh_dims, my_coords
 from .domain import MuonParam
@@ -319,6 +319,28 @@ def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommConte
                       "run as surplus='idle' (the replicas still share the NS work)", stacklevel=3)
     return build_comm(p.layouts, p.elayouts, rank, timeout_s=config.pg_timeout_s, dp_slots=dp_on,
                       team=not dp_on and config.surplus in ("team", "auto"), experts=p.has_experts, stages=p.stages)
+
+
+def qk_clipper(spec: Any, model: nn.Module, p: Placement, comm: CommContext, rank: int,
+               config: OverlapMuonConfig) -> Any:
+    """The :class:`~overlap_muon.qk_clip.QKClipper` of ``spec`` (``None`` without one), its errors raised on every
+    rank. Its max runs over this rank's pipeline stage: the step's agreement group, or (plain data parallelism,
+    which has none) a gloo group over the stage made here (collective over the default group)."""
+    if spec is None:
+        return None
+    from .qk_clip import QKClip, QKClipper
+
+    group = comm.ctrl
+    if group is None and p.stages is not None:
+        group = stage_group(p.stages, rank, config.pg_timeout_s)
+    try:
+        if not isinstance(spec, QKClip):
+            raise TypeError(f"qk_clip must be an overlap_muon.QKClip, got {type(spec).__name__}")
+        clipper, errors = QKClipper(spec, model, p.muon, comm.dom_to.tp_rank, group), []
+    except (ValueError, TypeError) as e:
+        clipper, errors = None, [str(e)]
+    raise_everywhere(errors)
+    return clipper
 
 
 def ns_costs(muon: list[MuonParam], ns_steps: int) -> list[float]:

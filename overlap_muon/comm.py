@@ -167,6 +167,15 @@ class CommContext:
     """The first global rank of this rank's pipeline stage (the source of its broadcasts)."""
 
 
+def stage_group(stages: list[list[int]] | None, rank: int, timeout_s: float) -> ProcessGroup:
+    """A gloo group over this rank's pipeline stage (every rank without stages). Collective over the default
+    group: every rank makes every stage's group, in stage order."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if stages is None or len(stages) == 1:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    return [g for s in stages for g in [dist.new_group(ranks=s, backend="gloo", timeout=timeout)] if rank in s][0]
+
+
 def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[int]]] | None, rank: int, *,
                timeout_s: float, team: bool, dp_slots: bool, experts: bool,
                stages: list[list[int]] | None = None) -> CommContext:
@@ -188,13 +197,7 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
     dom_to = domain_from_layouts(layouts, timeout=timeout) if distributed else Domain.single()
     dom_from = domain_from_layouts(layouts, timeout=timeout, with_ctrl=False) if distributed else Domain.single()
     experts_on = experts and elayouts is not None and dist.get_world_size() > 1
-    ctrl = None
-    if distributed or experts_on:
-        if stages is not None and len(stages) > 1:  # one per stage, every rank making every one, in stage order
-            ctrl = [g for s in stages for g in [dist.new_group(ranks=s, backend="gloo", timeout=timeout)]
-                    if rank in s][0]
-        else:
-            ctrl = dist.new_group(backend="gloo", timeout=timeout)
+    ctrl = stage_group(stages, rank, timeout_s) if distributed or experts_on else None
     team_group = domain_group(layouts, timeout, backend=None) if distributed and team else None
     dp = None
     if distributed and dp_slots:

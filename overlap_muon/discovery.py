@@ -8,6 +8,8 @@ The dense ``remat x TP`` domains (:func:`mesh_dims`, :func:`discover_layouts`), 
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch.distributed as dist
@@ -209,9 +211,11 @@ def expert_placements(
       ``[gate; up]`` weight, where the rows are ``s`` pieces and ETP rank ``t`` holds row block ``t`` of every
       piece (``partition_dim`` 0, ``split_factor`` ``s``; ``P`` must be a multiple of ``s*T``, which torch also
       requires, so every rank holds ``P/T`` rows; ``overlap_muon.split.strided_parts`` puts the rows in place);
-    * any other dim: ``Replicate``, or any placement when the dim has size 1 (a shard over one rank is the whole
-      tensor: torchtitan's ``_StridedShard(0)`` on an ``efsdp`` dim of size 1). An expert FSDP dim of size > 1 is
-      an error (not supported yet).
+    * any other dim (torchtitan's expert FSDP dim ``efsdp``): ``Replicate``; ``Shard(0)`` / ``_StridedShard(0)``,
+      which shards the experts further (torchtitan's ``(_StridedShard(0), Shard(0))`` on ``("efsdp", "ep")``:
+      each rank holds whole matrices of its own experts, so ``ep_size`` counts that dim too); any placement when
+      the dim has size 1 (a shard over one rank is the whole tensor). A shard of each matrix's rows or columns over
+      such a dim is an error (not supported yet).
 
     ``split_factor`` is 1 unless the ETP placement is strided over ``T > 1`` ranks; a placement on a size-1 ETP dim
     is the whole matrix (``partition_dim`` ``None``).
@@ -224,17 +228,19 @@ def expert_placements(
     size = {d: p.device_mesh.size(i) for i, d in enumerate(names)}
     shape = tuple(p.shape)
     expected = (f"expected Shard(0) or Replicate on {ep_dim!r}, Shard(1), Shard(2), _StridedShard(1) or Replicate on "
-                f"{etp_dim!r}, Replicate elsewhere (or any placement on a dim of size 1)")
+                f"{etp_dim!r}, Shard(0), _StridedShard(0) or Replicate elsewhere (or any placement on a dim of size 1)")
     fsdp = {d: x for d, x in by_name.items()
             if d not in (ep_dim, etp_dim) and not isinstance(x, Replicate) and size[d] > 1}
-    if fsdp:
-        d = next(iter(fsdp))
-        return None, 1, 1, (f"expert param {name!r} (shape {shape}) has placements {by_name}: sharded over {d!r} "
-                            f"(size {size[d]}), an expert FSDP dim, which is not supported yet; {expected}")
+    rows = [d for d, x in fsdp.items() if not (isinstance(x, (Shard, _StridedShard)) and x.dim == 0)]
+    if rows:
+        d = rows[0]
+        return None, 1, 1, (f"expert param {name!r} (shape {shape}) has placements {by_name}: each expert matrix is "
+                            f"split over {d!r} (size {size[d]}), an expert FSDP layout that is not supported yet "
+                            f"(shard the experts, dim 0, over it instead); {expected}")
     ep_pl, etp_pl = by_name.get(ep_dim, Replicate()), by_name.get(etp_dim, Replicate())
     if not (isinstance(ep_pl, Replicate) or (isinstance(ep_pl, Shard) and ep_pl.dim == 0)):
         return None, 1, 1, f"expert param {name!r} (shape {shape}) has placements {by_name}; {expected}"
-    ep_size = size[ep_dim] if isinstance(ep_pl, Shard) else 1
+    ep_size = (size[ep_dim] if isinstance(ep_pl, Shard) else 1) * math.prod(size[d] for d in fsdp)
     if isinstance(etp_pl, _StridedShard) and etp_pl.dim == 1:
         sf = int(etp_pl.split_factor)
         if T > 1 and shape[1] % (sf * T):

@@ -31,6 +31,7 @@ from .config import resolve_config
 from .domain import Domain
 from .hooks import ParamOwners, weak_callback
 from .ns import DEFAULT_NS_COEFFICIENTS
+from .qk_clip import QKClip
 from .runtime import Runtime, StepPhase
 from .scheduler.waves import Wave
 from .split import SplitArg
@@ -87,6 +88,9 @@ class OverlapMuon(torch.optim.Optimizer):
             it), or this rank's PP group for explicit groups. The construction checks then compare the ranks of a
             stage, and ``step()`` agrees within it ([Note: pipeline stages] in ``discovery.py``). See
             :meth:`attach_pipeline_stage`.
+        qk_clip: a :class:`~overlap_muon.qk_clip.QKClip`: after each step's updates, the query and key rows of
+            the heads whose max attention logit (recorded by the model, ``qk_clip.record_max_logits``) exceeded
+            ``tau`` are scaled down ([Note: QK-clip] in ``qk_clip.py``); ``stats["qk_clipped_heads"]`` counts them.
         mode, fused_a2a, batch_ns, balance, overlap, wave_plan, wave_slots, side_streams, nvtx, pg_timeout_s,
             readiness_order, skip_nonfinite, syrk, check_grad_presence: options (``overlap_muon.config``); ``None``
             takes the environment variable or the default.
@@ -116,7 +120,8 @@ class OverlapMuon(torch.optim.Optimizer):
         adamw_groups: list[dict[str, Any]] | None = None, tp_group: dist.ProcessGroup | None = None,
         remat_group: dist.ProcessGroup | None = None, experts: Any = None, expert_mesh: Any = None,
         ep_dim: str = "ep", etp_dim: str = "etp", etp_group: dist.ProcessGroup | None = None,
-        pp_dim: str | None = "pp", pp_group: dist.ProcessGroup | None = None, **options: Any,
+        pp_dim: str | None = "pp", pp_group: dist.ProcessGroup | None = None, qk_clip: QKClip | None = None,
+        **options: Any,
     ) -> None:
         model, ddp = builder.unwrap(model)
         hp = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, eps=eps,
@@ -130,6 +135,7 @@ class OverlapMuon(torch.optim.Optimizer):
         # What placement needs again when the params are replaced ([Note: following the param groups]).
         self._recipe = dict(muon_filter=muon_filter, experts=experts, split=split, max_grad_norm=max_grad_norm,
                             adamw_groups=adamw_groups, mesh=mesh)
+        self._qk_spec = qk_clip
         self._claim(model)
         placed = builder.place(model, self.config, self._rank, **self._recipe)
         self._adamw, groups = builder.param_groups(placed.muon, placed.adamw_groups, adamw_kwargs, hp)
@@ -157,6 +163,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self._model = model  # held as torch optimizers hold their params (the params it replaces are not)
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._rt = Runtime(self, comm, self.defaults["ns_steps"])
+        self._qk = builder.qk_clipper(self._qk_spec, model, placed, comm, self._rank, self.config)
         self._finalizer = self._rt.hook(self, model, weak_callback(self._sync_hook))
         self._bound = self._binding(model)
 
@@ -282,6 +289,9 @@ class OverlapMuon(torch.optim.Optimizer):
             self._rt.launch_rest(ok)
             self._commit(ok)
             self._rt.finish()
+            if self._qk is not None and ok:  # [Note: QK-clip]: on the landed updates
+                self._rt.pipeline.wait(self._rt.index.waves_of(self._rt.index.of_tensors(self._qk.params())))
+                self.stats["qk_clipped_heads"] += self._qk.apply()
             self._step_count += 1
             self.stats["steps"] += 1
         finally:

@@ -429,42 +429,100 @@ def test_hf_qwen3_moe_strided_gate_up_etp2_bitwise(overlap):
         assert not bad, bad
 
 
-def _efsdp_body(rank, world, efsdp):
+def _efsdp_model(mesh, pl, full):
+    from torch.distributed.tensor import distribute_tensor
+
+    model = nn.Module()
+    model.w = nn.Parameter(distribute_tensor(full, mesh, pl, src_data_rank=None))
+    return model
+
+
+def _efsdp_body(rank, world, efsdp, pl_kind, overlap, path=None):
+    """Grouped experts ``(E, 6, 4)`` on ``("efsdp", "ep")``; 2 steps, then (with ``path``) a DCP round trip into a
+    fresh model and optimizer and a third step on both, each expert compared with ``torch.optim.Muon``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh = init_device_mesh("cpu", (efsdp, world // efsdp), mesh_dim_names=("efsdp", "ep"))
-    full = torch.randn(4, 6, 4, generator=torch.Generator().manual_seed(0))
-    pl = [_StridedShard(0, split_factor=2), Shard(0)] if efsdp == 1 else [Shard(1), Replicate()]
-    model = nn.Module()
-    model.w = nn.Parameter(distribute_tensor(full, mesh, pl))
+    ep = world // efsdp
+    mesh = init_device_mesh("cpu", (efsdp, ep), mesh_dim_names=("efsdp", "ep"))
+    E = 2 * world
+    full = torch.randn(E, 6, 4, generator=torch.Generator().manual_seed(0))
+    pl = [_StridedShard(0, split_factor=ep), Shard(0)] if pl_kind == "titan" else [Shard(1), Replicate()]
+    model = _efsdp_model(mesh, pl, full)
+    kw = dict(experts="w", expert_mesh=mesh, overlap=overlap, **HP)
     try:
-        opt = OverlapMuon(model, experts="w", expert_mesh=mesh, **HP)
+        opt = OverlapMuon(model, **kw)
     except ValueError as e:
         return "error", str(e)
-    per = 4 // (world // efsdp)
-    ref = [nn.Parameter(full[rank * per + e].clone()) for e in range(per)]
+    # which experts this rank holds: the same layout applied to the experts' indices
+    mine = distribute_tensor(torch.arange(E, dtype=torch.float32)[:, None, None].expand(E, 6, 4).contiguous(), mesh,
+                             pl, src_data_rank=None).to_local()[:, 0, 0].long().tolist()
+    ref = [nn.Parameter(full[e].clone()) for e in mine]
     mu = torch.optim.Muon(ref, **HP)
-    g = torch.randn(4, 6, 4, generator=torch.Generator().manual_seed(1))
-    for e, p in enumerate(ref):
-        p.grad = g[rank * per + e].clone()
-    model.w.grad = distribute_tensor(g, mesh, pl)
-    opt.step()
-    mu.step()
+    gen = torch.Generator().manual_seed(1)
+
+    def step(m, o, g):
+        m.w.grad = distribute_tensor(g, mesh, pl, src_data_rank=None)
+        o.step()
+        o.zero_grad()
+
+    def ref_step(g):
+        for e, p in zip(mine, ref):
+            p.grad = g[e].clone()
+        mu.step()
+        mu.zero_grad()
+
+    for _ in range(2):
+        g = torch.randn(E, 6, 4, generator=gen)
+        step(model, opt, g)
+        ref_step(g)
     opt.synchronize()
-    ok = all(torch.equal(model.w.to_local()[e], ref[e].detach()) for e in range(per))
+    ok = all(torch.equal(model.w.to_local()[j], ref[j].detach()) for j in range(len(mine)))
+    if path is not None:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        model2 = _efsdp_model(mesh, pl, torch.zeros(E, 6, 4))
+        opt2 = OverlapMuon(model2, **kw)
+        msd2, osd2 = get_state_dict(model2, opt2)
+        sd = {"model": msd2, "optim": osd2}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        g = torch.randn(E, 6, 4, generator=gen)
+        step(model2, opt2, g)
+        ref_step(g)
+        opt2.synchronize()
+        ok = ok and all(torch.equal(model2.w.to_local()[j], ref[j].detach()) for j in range(len(mine)))
+        opt2.close()
     opt.close()
-    return "ok", ok
+    return "ok", (ok, len(mine))
 
 
 @pytest.mark.timeout(120)
-def test_torchtitan_efsdp_size1_layout_is_accepted_and_efsdp2_is_refused():
+def test_torchtitan_efsdp_size1_layout_is_accepted():
     """``parallelize_deepseekv3`` with EP gives the grouped experts ``(_StridedShard(0, sf=2), Shard(0))`` on
     ``("efsdp", "ep")``. Bug: refused even with efsdp of size 1, where the strided shard is the whole tensor. Now
-    accepted (EP 2, bitwise torch.optim.Muon per expert); a shard over an efsdp dim of size 2 is an error naming
-    the dim (expert FSDP is not supported yet)."""
-    for kind, ok in run_ranks(_efsdp_body, 2, 1, timeout=90):
-        assert kind == "ok" and ok is True, (kind, ok)
-    for kind, msg in run_ranks(_efsdp_body, 2, 2, timeout=90):
+    accepted (EP 2, bitwise torch.optim.Muon per expert)."""
+    for kind, out in run_ranks(_efsdp_body, 2, 1, "titan", True, timeout=90):
+        assert kind == "ok" and out == (True, 2), (kind, out)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_torchtitan_ep2_x_expert_fsdp2_bitwise_with_dcp(overlap, tmp_path):
+    """EP 2 x expert FSDP 2 on 4 ranks, torchtitan 0.3's layout ``(_StridedShard(0, sf=2), Shard(0))``: the expert
+    FSDP dim shards the experts further, so every rank holds whole matrices of 2 of the 8 experts and runs their NS
+    itself. Was refused ("an expert FSDP dim, which is not supported yet"). Bitwise ``torch.optim.Muon`` per
+    expert, through a DCP round trip into a fresh model and optimizer."""
+    for kind, out in run_ranks(_efsdp_body, 4, 2, "titan", overlap, str(tmp_path / "ckpt"), timeout=180):
+        assert kind == "ok" and out == (True, 2), (kind, out)
+
+
+@pytest.mark.timeout(120)
+def test_expert_fsdp_splitting_each_matrix_is_a_clear_error():
+    """``Shard(1)`` over an expert FSDP dim of size 2 splits every expert matrix's rows: not supported yet, an error
+    naming the param, its shape and the dim."""
+    for kind, msg in run_ranks(_efsdp_body, 2, 2, "rows", True, timeout=90):
         assert kind == "error" and "'efsdp'" in msg and "expert FSDP" in msg and "(4, 6, 4)" in msg, msg

@@ -43,6 +43,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from overlap_muon.qk_clip import record_max_logits
+
 __all__ = [
     "GPT", "MLP", "VOCAB", "Attention", "Block", "Experts", "MoE", "ModelConfig", "OutputHead", "expert_params",
     "full_experts", "muon_params", "parallelize",
@@ -137,6 +139,7 @@ class Attention(nn.Module):
             self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
             self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.record_logits = False  # QK-clip: record each head's max logit while training (overlap_muon.qk_clip)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
@@ -149,6 +152,8 @@ class Attention(nn.Module):
             q, k, v = (m(x) for m in (self.q, self.k, self.v))  # each (B, S, H_local * hd)
             h = q.shape[-1] // hd
             q, k, v = (t.view(B, S, h, hd).transpose(1, 2) for t in (q, k, v))
+        if self.record_logits and self.training:
+            record_max_logits(self, q, k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, S, hd)
         return self.proj(y.transpose(1, 2).reshape(B, S, h * hd))
 

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--n-heads", type=int, default=4, help="attention heads (default: %(default)s)")
     a("--mlp-ratio", type=int, default=4, help="MLP width / d_model (default: %(default)s)")
     a("--qkv", choices=("fused", "separate"), default="fused", help="attention input projections")
+    a("--qk-clip", type=float, default=None, metavar="TAU",
+      help="QK-clip (MuonClip) threshold: after each step, scale down the query/key rows of the heads whose max "
+           "attention logit exceeded TAU (overlap_muon only; overlap_muon.QKClip)")
     a("--split-qkv", action="store_true",
       help="orthogonalize the fused qkv weight as its Q, K and V parts (overlap_muon.QKVSplit), as with --qkv separate")
     a("--moe", action="store_true",
@@ -197,6 +200,9 @@ def _check_args(args: argparse.Namespace, world: int) -> ModelConfig:
                            "different ranks); drop --max-grad-norm or run without torchrun")
     if args.split_qkv and (args.qkv != "fused" or args.optimizer != "overlap_muon"):
         raise _ConfigError("--split-qkv splits the fused qkv weight for --optimizer overlap_muon; it needs --qkv fused")
+    if args.qk_clip is not None and (args.optimizer != "overlap_muon" or not args.qk_clip > 0):
+        raise _ConfigError(f"--qk-clip needs a positive TAU and --optimizer overlap_muon, got {args.qk_clip} with "
+                           f"{args.optimizer}")
     if args.adamw_lr is None:
         args.adamw_lr = _ADAMW_LR_ALONE if args.optimizer == "adamw" else _ADAMW_LR_WITH_MUON
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
@@ -356,8 +362,18 @@ def _build_optimizer(args: argparse.Namespace, model: GPT, mesh):
     # MoE: each rank's experts are its own (EP over the world, ETP 1), so no expert mesh or group: their NS runs
     # where they live.
     moe = {"experts": _EXPERTS} if model.cfg.moe_experts else {}
+    qk = None
+    if args.qk_clip is not None:
+        from overlap_muon import QKClip
+
+        h = model.cfg.n_heads
+        rows = (dict(qkv="blocks.*.attn.qkv.weight", layout="grouped") if model.cfg.fused_qkv
+                else dict(query="blocks.*.attn.q.weight", key="blocks.*.attn.k.weight"))
+        qk = QKClip(args.qk_clip, h, model.cfg.head_dim, **rows)
+        for block in model.blocks:
+            block.attn.record_logits = True
     return OverlapMuon(model, **_muon_kwargs(args), adamw_kwargs=_adamw_kwargs(args), device_mesh=mesh,
-                       max_grad_norm=args.max_grad_norm, split=split, **moe)
+                       max_grad_norm=args.max_grad_norm, split=split, qk_clip=qk, **moe)
 
 
 def _sync(opt) -> None:
@@ -740,7 +756,14 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
         "tp": args.tp,
         "remat": args.remat,
     }
+    qk = getattr(opt, "_qk", None)
+    if qk is not None:
+        summary["max_attn_logit"] = qk.peak_max_logit
+        summary["qk_clipped_heads"] = opt.stats["qk_clipped_heads"]
     if rank == 0:
+        if qk is not None:
+            print(f"qk-clip: tau {args.qk_clip:g} | peak max attention logit {qk.peak_max_logit:.2f} | last "
+                  f"{qk.last_max_logit:.2f} | head clips {opt.stats['qk_clipped_heads']}", flush=True)
         print(
             f"summary: step {stop} | val loss {val:.4f} nats = {summary['val_bpb']:.4f} bits/byte | unigram entropy "
             f"{unigram:.4f} bits/byte ({_below(summary['below_unigram'])}) | {summary['steps_per_s']:.2f} "

@@ -390,3 +390,19 @@ def test_moe_overlap_muon_matches_torch_muon(tmp_path):
     assert all(math.isfinite(v) for v in ref["losses"]) and ref["losses"][-1] < ref["losses"][0] - 0.2
     assert max(abs(a - b) for a, b in zip(tp2["losses"], ref["losses"])) < 1e-2
     assert max(abs(a - b) for a, b in zip(fsdp["losses"], ref["losses"])) < 1e-2
+
+
+def test_qk_clip_runs_and_is_exact_across_modes(tmp_path):
+    """``--qk-clip TAU``: with a TAU that bites (heads clipped at TP 2 and at TP 1 x remat 2), overlap equals the
+    synchronous step bit for bit; with a TAU no head reaches, the run equals the run without the flag."""
+    data = _text_file(tmp_path)
+    configs = []
+    for layout in (["--tp", "2"], ["--tp", "1"]):
+        argv = TINY + ["--data", data] + layout
+        configs += [({}, argv + ["--qk-clip", "0.05"]), ({"OVERLAP_MUON_OVERLAP": "0"}, argv + ["--qk-clip", "0.05"])]
+    argv = TINY + ["--data", data, "--tp", "2"]
+    configs += [({}, argv + ["--qk-clip", "1e9"]), ({}, argv)]
+    runs = run_ranks(_run_configs, 2, configs, timeout=200)[0]
+    for a, b in ((runs[0], runs[1]), (runs[2], runs[3])):
+        assert _figures(a) == _figures(b) and a["qk_clipped_heads"] > 0 and a["max_attn_logit"] > 0.05
+    assert runs[4]["qk_clipped_heads"] == 0 and _figures(runs[4]) == _figures(runs[5])

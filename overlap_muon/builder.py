@@ -31,7 +31,8 @@ from .discovery import discover_expert_layouts, discover_layouts, discover_stage
 from .domain import MuonParam
 from .muon_math import check_hyperparameters
 from .placement import place_params
-from .scheduler import ns_flops, plan_by_domain, plan_waves, plan_waves_by_cost
+from .scheduler import plan_by_domain, plan_waves, plan_waves_by_cost
+from .scheduler.cost import ns_cost
 from .scheduler.kinds import WavePlan, plan_kinds
 from .scheduler.surplus import CPU_GLOO
 from .scheduler.waves import Wave
@@ -343,10 +344,11 @@ def qk_clipper(spec: Any, model: nn.Module, p: Placement, comm: CommContext, ran
     return clipper
 
 
-def ns_costs(muon: list[MuonParam], ns_steps: int) -> list[float]:
-    """NS FLOPs of each Muon matrix (a split one: the sum of its parts'), the planner's cost."""
-    return [float(sum(ns_flops((len(r), m.ns_shape[1]), ns_steps) for r in m.parts) if m.parts
-                  else ns_flops(m.ns_shape, ns_steps)) for m in muon]
+def ns_costs(muon: list[MuonParam], ns_steps: int, gram: bool = False) -> list[float]:
+    """NS FLOPs of each Muon matrix (a split one: the sum of its parts'; Gram NS where ``gram`` picks it), the
+    planner's cost."""
+    return [float(sum(ns_cost((len(r), m.ns_shape[1]), ns_steps, gram) for r in m.parts) if m.parts
+                  else ns_cost(m.ns_shape, ns_steps, gram)) for m in muon]
 
 
 def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: OverlapMuonConfig,

@@ -76,6 +76,10 @@ class OverlapMuonConfig:
     syrk: bool = _opt(False, "OVERLAP_MUON_SYRK", kind=bool)
     """NS computes ``X Xᵀ`` and ``A @ A`` as symmetric block products (fewer FLOPs; not bitwise on this CPU, see
     ``overlap_muon.ns`` [Note: symmetric Gram]), off by default."""
+    gram_ns: bool = _opt(False, "OVERLAP_MUON_GRAM_NS", kind=bool)
+    """Matrices whose long side is at least 4 times the short one run Gram Newton-Schulz (``overlap_muon.ns``
+    [Note: Gram Newton-Schulz]: fewer FLOPs, not bitwise, a little less accurate); the others plain NS. Team NS
+    keeps the plain iteration. Off by default."""
     surplus: str = _opt("idle", "OVERLAP_MUON_SURPLUS", choices=("idle", "duplicate", "team", "auto"))
     """What the homes a wave leaves without a matrix do (``scheduler.surplus``): ``idle``; ``duplicate``: a wave
     whose surplus plan gives every matrix every rank of the domain is gathered to all of them, each runs the NS

@@ -213,7 +213,8 @@ class WavePipeline(Agreement):
         if st.empty:
             return
         h = st.hyper
-        kw = dict(ns_coefficients=h.ns_coefficients, ns_steps=h.ns_steps, eps=h.eps, syrk=self.config.syrk)
+        kw = dict(ns_coefficients=h.ns_coefficients, ns_steps=h.ns_steps, eps=h.eps, syrk=self.config.syrk,
+                  gram=self.config.gram_ns)
         with prof_range(wave_range_name(st.wave.index, "ns"), nvtx=self.config.nvtx):
             for leg in st.legs:
                 leg.outs = leg.exchange.orthogonalize(leg, getattr(self, _NS[leg.exchange.ns_kind]), kw)
@@ -257,6 +258,7 @@ class WavePipeline(Agreement):
         self.stats["ns_calls"] += len(blocks)
         tall = [m.full_shape[0] > m.full_shape[1] for m in mps]
         xs = [b.mT if t else b for b, t in zip(blocks, tall)]  # oriented: columns of X (rows of a tall update)
+        kw = {k: v for k, v in kw.items() if k != "gram"}  # team NS keeps the plain iteration
         outs = team_zeropower_blocks(xs, team_norms(xs, self.team_group), self.team_group, split_poly=split, **kw)
         return [o.mT.contiguous() if t else o for o, t in zip(outs, tall)]
 

@@ -83,7 +83,7 @@ class Runtime:
         self.pipeline.adamw_params = adamw_params
         self.sizes = (comm.dom_to.size, comm.expert[0].size if comm.expert else 1)
         self.index = ParamIndex(muon)
-        self.costs = builder.ns_costs(muon, ns_steps)
+        self.costs = builder.ns_costs(muon, ns_steps, config.gram_ns)
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
         self.phase = StepPhase.IDLE
         self.handles: list[Any] = []

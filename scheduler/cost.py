@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["ns_flops", "ns_bytes"]
+from ..layout import gram_wins
+
+__all__ = ["ns_flops", "ns_bytes", "gram_ns_flops", "ns_cost"]
 
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -71,3 +73,32 @@ def ns_bytes(shape: tuple[int, int], dtype_bytes: int = 2) -> int:
     if not isinstance(dtype_bytes, int) or isinstance(dtype_bytes, bool) or dtype_bytes < 1:
         raise ValueError(f"dtype_bytes must be a positive int, got {dtype_bytes!r} (shape {(p, q)})")
     return p * q * dtype_bytes
+
+
+def gram_ns_flops(shape: tuple[int, int], ns_steps: int = 5, restarts: int = 1) -> int:
+    """FLOPs of Gram Newton-Schulz on a full ``(P, Q)`` matrix (``overlap_muon.ns.gram_zeropower``, [Note: Gram
+    Newton-Schulz]).
+
+    With ``m = min(P, Q)``, ``n = max(P, Q)`` and ``s = restarts + 1`` segments: ``R0 = X Xᵀ`` (``2m²n``), per
+    restart ``X <- QX`` and ``R <- X Xᵀ`` (``4m²n``), the final ``QX`` (``2m²n``); per step four ``m x m``
+    products (``8m³``) less ``2m³`` where a segment starts (``Q = I``) and ``4m³`` where it ends (no ``R``
+    update): ``2m²n(2 + 2*restarts) + m³(8*ns_steps - 6*s)``. A matrix with a zero dim costs 0.
+
+    Raises:
+        ValueError: as :func:`ns_flops`.
+    """
+    p, q = _check_shape(shape)
+    if ns_steps < 0 or restarts < 0:
+        raise ValueError(f"ns_steps and restarts must be >= 0, got {ns_steps}, {restarts}")
+    m, n = min(p, q), max(p, q)
+    if m == 0 or ns_steps == 0:
+        return 0
+    segments = min(restarts, ns_steps - 1) + 1
+    return 2 * m * m * n * (2 + 2 * (segments - 1)) + m ** 3 * max(0, 8 * ns_steps - 6 * segments)
+
+
+def ns_cost(shape: tuple[int, int], ns_steps: int = 5, gram: bool = False) -> int:
+    """FLOPs of the NS the runtime runs on ``shape``: Gram NS where ``gram`` and the per-shape rule pick it
+    (``overlap_muon.layout.gram_wins``), else :func:`ns_flops`."""
+    return gram_ns_flops(shape, ns_steps) if gram and gram_wins(shape) else ns_flops(shape, ns_steps)
+

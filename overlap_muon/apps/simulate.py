@@ -1147,6 +1147,23 @@ def _ms(x: float) -> str:
     return f"{1e3 * x:10.2f} ms"
 
 
+def _gram_line(cfg: SimConfig) -> str:
+    """What ``gram_ns`` would save on this model: Gram NS FLOPs (``scheduler.cost.gram_ns_flops``) on the matrices
+    the per-shape rule gives it, plain NS elsewhere."""
+    from ..layout import gram_wins
+    from ..scheduler.cost import gram_ns_flops, ns_cost, ns_flops
+
+    shapes = [s for layer in cfg.layer_shapes for s in layer]
+    plain = sum(ns_flops(s, cfg.ns_steps) for s in shapes)
+    gram = sum(ns_cost(s, cfg.ns_steps, gram=True) for s in shapes)
+    n = sum(gram_wins(s) for s in shapes)
+    cheaper = sum(min(ns_flops(s, cfg.ns_steps), gram_ns_flops(s, cfg.ns_steps)) for s in shapes)
+    less = (lambda x: 100 * (1 - x / plain) if plain else 0.0)  # noqa: E731
+    return (f"gram_ns: Gram NS on {n} of {len(shapes)} matrices (long side >= 4x the short), NS FLOPs per domain "
+            f"{plain:.3g} -> {gram:.3g} ({less(gram):.1f}% less; on every matrix it has fewer FLOPs for, long side "
+            f"> 1.5x: {less(cheaper):.1f}% less)")
+
+
 def _format_result(cfg: SimConfig, r: SimResult, max_wave_rows: int = 12) -> str:
     lines = [
         f"model {r.name}: {r.num_layers} layers, {r.num_matrices} Muon matrices; {r.num_gpus} GPUs = "
@@ -1160,6 +1177,7 @@ def _format_result(cfg: SimConfig, r: SimResult, max_wave_rows: int = 12) -> str
         f"wave_slots {cfg.wave_slots or r.domain_size}, balance {cfg.balance}, taper {cfg.taper}",
         f"NS per home per step: max {_ms(r.ns_load_max_s).strip()}, mean {_ms(r.ns_load_mean_s).strip()}, "
         f"max/mean {r.ns_load_max_over_mean:.3f}; {r.ns_flops_per_step:.3g} NS FLOPs per domain",
+        _gram_line(cfg),
         f"exchange: {r.exchange_bytes_per_rank / 1e9:.3f} GB sent per rank per direction, "
         f"{_ms(r.exchange_s).strip()} of all_to_all per step (both directions)",
         f"compute: forward {_ms(r.forward_s).strip()}, backward {_ms(r.backward_s).strip()} per micro-batch, "

@@ -10,6 +10,13 @@ mirror, ``overlap_muon.ns.SYRK_BLOCK``) effective FLOP/s over the plain ``zeropo
 ``ns_flops``, so it is the time ratio plain / syrk), summed over 1024^2, 2048x8192 and 4096^2 (``--quick``:
 256^2, 256x1024, 512^2), 1 thread; per shape the details also give whether the result is bitwise equal to the
 plain one, the max abs and relative Frobenius difference, and the FLOPs the symmetric products skip.
+``gram_over_plain``: ``zeropower(gram=True)`` (Gram Newton-Schulz where the per-shape choice picks it, [Note: Gram
+Newton-Schulz] in ``overlap_muon/ns.py``) against plain NS, one matrix, 1 thread, side by side at 1024x4096,
+2048x8192 and 4096x4096 (``--quick``: 256x1024, 512x2048, 512^2): the time ratio plain / Gram summed over the
+rectangular shapes; per shape also the ratio of forced Gram NS (the square one shows why it keeps plain NS), and,
+on the step case's matrices (the batches above), the NS time with and without ``gram``. Its error against a float64
+NS, beside plain bf16 NS's, is measured at 256x1024 and 128x512 (full and rank-16; a float64 NS of the large
+shapes takes minutes; their figures are in docs/results.md).
 """
 
 from __future__ import annotations
@@ -21,13 +28,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from overlap_muon.ns import SYRK_BLOCK, zeropower
+from overlap_muon.ns import SYRK_BLOCK, gram_zeropower, zeropower
 from overlap_muon.scheduler import ns_flops
 
 from .common import _CaseResult, _median, _Options, _ratio, _threads
 
 #: The keys of the case's ``ratios`` in the JSON.
-RATIO_KEYS: tuple[str, ...] = ("ns_over_bmm", "syrk_over_plain")
+RATIO_KEYS: tuple[str, ...] = ("ns_over_bmm", "syrk_over_plain", "gram_over_plain")
 
 
 def _bmm_like_ns(x: Tensor, steps: int) -> Tensor:
@@ -84,14 +91,87 @@ def run(o: _Options) -> _CaseResult:
                      f"syrk {r['syrk_flops_per_s'] / 1e9:7.1f} GFLOP/s  ratio {r['plain_s'] / r['syrk_s']:.3f}  "
                      f"bitwise {r['bitwise']}  max abs {r['max_abs_diff']:.3g}  rel {r['rel_fro_diff']:.3g}")
     lines.append(f"all shapes: syrk / plain FLOP/s = {syrk_ratio:.3f}" if syrk_ratio else "syrk ratio unavailable")
+    gram = _gram_vs_plain(o, steps, batches)
+    lines.append("Gram NS (gram_ns) vs plain NS, one matrix, 1 thread (time plain / time Gram):")
+    for r in gram["shapes"]:
+        lines.append(f"  {r['shape'][0]:>4}x{r['shape'][1]:<4}  plain {r['plain_s'] * 1e3:8.1f} ms  chosen "
+                     f"{'gram ' if r['gram_chosen'] else 'plain'} {r['chosen_s'] * 1e3:8.1f} ms  ratio "
+                     f"{r['plain_s'] / r['chosen_s']:.3f}  (forced Gram {r['plain_s'] / r['forced_s']:.3f})")
+    for r in gram["error"]:
+        lines.append(f"  error vs float64 NS, {r['shape'][0]}x{r['shape'][1]} {r['rank']}: Gram / plain = "
+                     f"{r['gram_over_plain_error']:.3f}")
+    lines.append(f"  step case's matrices: NS {gram['step_plain_s'] * 1e3:.1f} ms plain, "
+                 f"{gram['step_gram_s'] * 1e3:.1f} ms with gram_ns ({gram['step_plain_s'] / gram['step_gram_s']:.3f}x)")
     return _CaseResult(
-        "batched Newton-Schulz FLOP/s vs plain torch.bmm (bf16, same matmuls), 1 thread; symmetric Gram vs plain NS",
-        {"ns_over_bmm": ratio, "syrk_over_plain": syrk_ratio},
+        "batched Newton-Schulz FLOP/s vs plain torch.bmm (bf16, same matmuls), 1 thread; symmetric Gram and Gram NS "
+        "vs plain NS",
+        {"ns_over_bmm": ratio, "syrk_over_plain": syrk_ratio, "gram_over_plain": gram["ratio"]},
         lines,
         {"ns_steps": steps, "repeats": repeats, "threads": 1, "shapes": rows,
          "ns_flops_per_s": tot_flops / tot_ns, "bmm_flops_per_s": tot_flops / tot_bmm,
-         "syrk": {"block": SYRK_BLOCK, "shapes": syrk_rows}},
+         "syrk": {"block": SYRK_BLOCK, "shapes": syrk_rows}, "gram": gram},
     )
+
+
+def _ns64(x: Tensor, steps: int) -> Tensor:
+    """``torch.optim.Muon``'s NS iteration in float64 (no bf16 cast): the accuracy reference."""
+    x = x.double()
+    tall = x.size(0) > x.size(1)
+    x = x.mT if tall else x
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        g = x @ x.mT
+        x = 3.4445 * x + (-4.7750 * g + 2.0315 * g @ g) @ x
+    return x.mT if tall else x
+
+
+def _gram_vs_plain(o: _Options, steps: int, batches: tuple) -> dict[str, Any]:
+    """Time plain, chosen (``gram=True``) and forced Gram NS side by side per shape; the error against float64 at
+    two small shapes; the step case's matrices with and without ``gram``."""
+    shapes = ((256, 1024), (512, 2048), (512, 512)) if o.quick else ((1024, 4096), (2048, 8192), (4096, 4096))
+    warmup, repeats = 1, o.reps(5, 5)
+    gen = torch.Generator().manual_seed(17)
+    out: dict[str, Any] = {"shapes": [], "error": []}
+    tot_plain = tot_gram = 0.0
+    with _threads(1):
+        for P, Q in shapes:
+            x = torch.randn(P, Q, generator=gen)
+            ts: dict[str, list[float]] = {"plain": [], "chosen": [], "forced": []}
+            for r in range(warmup + repeats):
+                for name, fn in (("plain", lambda: zeropower(x, ns_steps=steps)),
+                                 ("chosen", lambda: zeropower(x, ns_steps=steps, gram=True)),
+                                 ("forced", lambda: gram_zeropower(x, ns_steps=steps))):
+                    t0 = time.perf_counter()
+                    fn()
+                    if r >= warmup:
+                        ts[name].append(time.perf_counter() - t0)
+            row = {"shape": [P, Q], "gram_chosen": max(P, Q) >= 4 * min(P, Q),
+                   **{f"{k}_s": _median(v) for k, v in ts.items()}}
+            out["shapes"].append(row)
+            if row["gram_chosen"]:
+                tot_plain += row["plain_s"]
+                tot_gram += row["chosen_s"]
+        for P, Q in ((256, 1024), (128, 512)):
+            for rank in ("full", "rank16"):
+                x = (torch.randn(P, Q, generator=gen) if rank == "full"
+                     else torch.randn(P, 16, generator=gen) @ torch.randn(16, Q, generator=gen))
+                ref = _ns64(x, steps)
+                err = [float((f(x, ns_steps=steps).double() - ref).norm() / ref.norm())
+                       for f in (zeropower, gram_zeropower)]
+                out["error"].append({"shape": [P, Q], "rank": rank, "plain_error": err[0], "gram_error": err[1],
+                                     "gram_over_plain_error": err[1] / err[0]})
+        mats = [torch.randn(b, P, Q, generator=gen) for b, P, Q in batches]
+        t = {"plain": [], "gram": []}
+        for r in range(warmup + repeats):
+            for name in t:
+                t0 = time.perf_counter()
+                for m in mats:
+                    zeropower(m, ns_steps=steps, gram=name == "gram")
+                if r >= warmup:
+                    t[name].append(time.perf_counter() - t0)
+        out["step_plain_s"], out["step_gram_s"] = _median(t["plain"]), _median(t["gram"])
+    out["ratio"] = _ratio(tot_plain, tot_gram)
+    return out
 
 
 def _syrk_flops(shape: tuple[int, int], steps: int, block: int) -> int:

@@ -15,7 +15,6 @@ ranks after it is made (``checks.check_plan_everywhere``).
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from .scheduler.kinds import WavePlan, plan_kinds
 from .scheduler.surplus import CPU_GLOO
 from .scheduler.waves import Wave
 from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
+from .messages import warn_user
 
 __all__ = ["Placement", "unwrap", "check_arguments", "place", "make_groups", "param_groups", "plan", "ns_costs",
            "fsdp_roots"]
@@ -82,7 +82,12 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"OverlapMuon expects an nn.Module, got {type(model).__name__}")
+        what = type(model).__name__
+        raise TypeError(
+            f"OverlapMuon expects the model (an nn.Module), got a {what}: pass the model, not its parameters, "
+            "as OverlapMuon(model, lr=...); it sorts the params into Muon and AdamW by their modules and names"
+            if what in ("generator", "list", "tuple", "dict") or isinstance(model, torch.Tensor) else
+            f"OverlapMuon expects the model (an nn.Module), got a {what}")
     ddp = model if isinstance(model, DistributedDataParallel) else None
     model = ddp.module if ddp is not None else model
     return (getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model), ddp
@@ -206,7 +211,7 @@ def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter
     layouts, mesh_err = discover_layouts(m["device_mesh"], m["tp_group"], m["remat_group"], m["remat_dim"], m["tp_dim"])
     elayouts, emesh_err = discover_expert_layouts(m["expert_mesh"], m["etp_group"], m["ep_dim"], m["etp_dim"])
     stages = discover_stages(m["device_mesh"], m["pp_dim"], m["pp_group"])
-    raise_everywhere([e for e in (mesh_err, emesh_err) if e])
+    raise_everywhere([e for e in (mesh_err, emesh_err, _missing_mesh(muon_named, expert_ids, m)) if e])
     R, T, g, t = my_coords(layouts, rank)
     _, ET, _, et = my_coords(elayouts, rank)
     dims = mesh_dims(m["device_mesh"], m["remat_dim"], m["tp_dim"])[0] if m["device_mesh"] is not None else None
@@ -242,6 +247,18 @@ def _stage_index(stages: list[list[int]], rank: int) -> int:
     return next(i for i, s in enumerate(stages) if rank in s)
 
 
+def _missing_mesh(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], m: dict[str, Any]) -> str | None:
+    """One error (not one per param) when the dense Muon params are DTensors and no ``device_mesh`` was given."""
+    dts = [(n, p) for n, p in muon_named if isinstance(p, DTensor) and id(p) not in expert_ids]
+    if m["device_mesh"] is not None or not dts:
+        return None
+    n, p = dts[0]
+    names = tuple(p.device_mesh.mesh_dim_names or ())
+    return (f"{len(dts)} Muon params are DTensors (e.g. {n!r} on mesh dims {names or p.device_mesh.shape}) but no "
+            f"device_mesh was given: pass the mesh they live on and name its FSDP and TP dims, e.g. "
+            f"OverlapMuon(model, device_mesh=model.get_parameter({n!r}).device_mesh, remat_dim=..., tp_dim=...)")
+
+
 def _warn_layout(rank: int, multi: bool, experts: Any, adamw_named: list, muon_named: list, expert_ids: set[int],
                  expert_layout: bool, layouts: Any) -> None:
     """Rank 0's warnings about layouts that work but are likely not what the user meant."""
@@ -249,14 +266,14 @@ def _warn_layout(rank: int, multi: bool, experts: Any, adamw_named: list, muon_n
         return
     left = [n for n, p in adamw_named if p.ndim == 3]
     if experts is not None and left:
-        warnings.warn(f"OverlapMuon: experts= is given but the 3-D params {left[:8]} are not selected; they go to "
-                      "AdamW. Widen the pattern if they are grouped expert weights.", stacklevel=4)
+        warn_user(f"OverlapMuon: experts= is given but the 3-D params {left[:8]} are not selected; they go to "
+                      "AdamW. Widen the pattern if they are grouped expert weights.")
     if multi and any(getattr(p, "partition_dim", None) is not None and not isinstance(p, DTensor)
                      and not (expert_layout if id(p) in expert_ids else layouts) for _, p in muon_named):
-        warnings.warn(
+        warn_user(
             "OverlapMuon: some plain Muon params carry a partition_dim but their domain has no TP/ETP group "
             "(no tp_group/device_mesh, or no etp_group/expert_mesh for experts): each rank orthogonalizes its "
-            "tensor as a whole matrix. If they are shards of larger matrices, pass the group.", stacklevel=4)
+            "tensor as a whole matrix. If they are shards of larger matrices, pass the group.")
 
 
 def _split_errors(split: Any, muon: list[MuonParam]) -> list[str]:
@@ -316,8 +333,8 @@ def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommConte
     dp_on = (distributed and len(p.layouts) > 1 and config.dp_slots and config.mode == "layer_sharded"
              and not (p.stages and len(p.stages) > 1))
     if dp_on and config.surplus != "idle":
-        warnings.warn(f"OverlapMuon: surplus={config.surplus!r} is not combined with DP slots yet; the waves "
-                      "run as surplus='idle' (the replicas still share the NS work)", stacklevel=3)
+        warn_user(f"OverlapMuon: surplus={config.surplus!r} is not combined with DP slots yet; the waves "
+                      "run as surplus='idle' (the replicas still share the NS work)")
     return build_comm(p.layouts, p.elayouts, rank, timeout_s=config.pg_timeout_s, dp_slots=dp_on,
                       team=not dp_on and config.surplus in ("team", "auto"), experts=p.has_experts, stages=p.stages)
 

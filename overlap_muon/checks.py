@@ -17,6 +17,7 @@ from .domain import MuonParam
 __all__ = ["raise_everywhere", "check_plan_everywhere", "differs_across_ranks", "option_errors"]
 
 
+
 def raise_everywhere(errors: list[str]) -> None:
     """Raise on every rank if any rank found bad input (invariant 6), before any exchange.
 

@@ -11,6 +11,7 @@ variable. Values are never read by truthiness (``OVERLAP_MUON_OVERLAP=0`` is off
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 import os
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .messages import warn_user
 
 __all__ = ["OverlapMuonConfig", "ENV_VARS", "resolve_config"]
 
@@ -155,6 +158,16 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
     return value
 
 
+def _warn_unknown_vars(env: Mapping[str, str]) -> None:
+    """An ``OVERLAP_MUON_*`` variable that names no option is a typo more often than not: warn, with the closest
+    name (it is ignored)."""
+    known = sorted(f.metadata["env"] for f in _fields())
+    for var in sorted(k for k in env if k.startswith("OVERLAP_MUON_") and k not in known):
+        close = difflib.get_close_matches(var, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"the variables are {', '.join(known)}"
+        warn_user(f"OverlapMuon: {var} is not an overlap-muon variable and is ignored; {hint}")
+
+
 def resolve_config(environ: Mapping[str, str] | None = None, **overrides: Any) -> OverlapMuonConfig:
     """Build the effective config: ``overrides`` (non-``None``) > environment > defaults.
 
@@ -164,6 +177,7 @@ def resolve_config(environ: Mapping[str, str] | None = None, **overrides: Any) -
         TypeError: an override has the wrong type, or names no option.
     """
     env = os.environ if environ is None else environ
+    _warn_unknown_vars(env)
     unknown = set(overrides) - set(ENV_VARS)
     if unknown:
         adamw = sorted(unknown & {"betas", "amsgrad", "maximize", "capturable", "differentiable", "fused", "foreach"})

@@ -11,7 +11,6 @@ when no forward runs between two steps. The default step needs none of it ([Note
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -20,6 +19,8 @@ from torch import Tensor, nn
 
 from .domain import MuonParam
 from .hooks import compile_boundary, fsdp_param_streams, params_read_by_module, register_forward_waits, weak_callback
+from .messages import warn_user
+
 
 __all__ = ["ParamIndex", "ForwardWaits"]
 
@@ -163,12 +164,10 @@ class ForwardWaits:
         if not loose or model is None:
             return
         self.register_wait(model, [self.muon[i].param for i in loose])
-        warnings.warn(
+        warn_user(
             f"OverlapMuon: Muon params {[self.muon[i].name for i in loose]} got a gradient but no forward of the "
             "module owning them ran; they are read elsewhere, so the model's own forward now waits for their "
-            "updates. For a later, precise wait point use opt.register_wait(module, params).",
-            stacklevel=4,
-        )
+            "updates. For a later, precise wait point use opt.register_wait(module, params).")
 
     def _no_forward_wait(self, waves: Sequence[int]) -> None:
         """No forward of the model ran since the last ``step()`` (the loss was built from the params directly, or
@@ -177,11 +176,9 @@ class ForwardWaits:
         stream), and say so once."""
         if not self._warned_no_forward:
             self._warned_no_forward = True
-            warnings.warn(
+            warn_user(
                 "OverlapMuon (async_step=True): no forward of the model ran since the last step(), so no forward wait "
                 "could hold back reads of the updated weights; step() now waits for its updates itself (the "
                 "overlap with the next forward is lost). Run the model's forward, or read weights after "
-                "opt.wait_for(params).",
-                stacklevel=4,
-            )
+                "opt.wait_for(params).")
         self._pipeline.wait(list(waves))

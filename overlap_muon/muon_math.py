@@ -44,7 +44,6 @@ other steps are path-independent for every dtype (measured on CPU).
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +51,8 @@ import torch
 from torch import Tensor
 
 from .ns import _schedule, adjusted_lr
+from .messages import warn_user
+
 
 __all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update", "CommitAtApply",
            "KeepForApply", "CommitAtPack"]
@@ -171,8 +172,8 @@ def _scalar_path_elements(P: int, Q: int, threads: int) -> Tensor | str | None:
     p.add_(u.mT if P > Q else u, alpha=_PROBE_U)
     scalar = p == _PROBE_SCALAR
     if not bool((scalar | (p == _PROBE_VECTOR)).all()):
-        warnings.warn("OverlapMuon: this CPU's bf16 add_ kernel rounds neither way the apply knows; bf16 params "
-                      "may differ from torch.optim.Muon in the last bit", stacklevel=3)
+        warn_user("OverlapMuon: this CPU's bf16 add_ kernel rounds neither way the apply knows; bf16 params "
+                      "may differ from torch.optim.Muon in the last bit")
         return None
     if bool(scalar.all()):
         return _ALL

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import builder
+
 from .config import resolve_config
 from .domain import Domain
 from .hooks import ParamOwners, weak_callback
@@ -36,6 +36,7 @@ from .runtime import Runtime, StepPhase
 from .scheduler.waves import Wave
 from .split import SplitArg
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
+from .messages import warn_user
 
 __all__ = ["OverlapMuon", "StepPhase"]
 
@@ -138,6 +139,10 @@ class OverlapMuon(torch.optim.Optimizer):
         self._qk_spec = qk_clip
         self._claim(model)
         placed = builder.place(model, self.config, self._rank, **self._recipe)
+        if not placed.muon and self._rank == 0:
+            warn_user("OverlapMuon: no param went to Muon (it takes the 2-D weights of nn.Linear and Hugging Face "
+                      "Conv1D modules, except embeddings and the output head), so this is plain AdamW; pass "
+                      "muon_filter=lambda name, p: ... to choose the Muon params")
         self._adamw, groups = builder.param_groups(placed.muon, placed.adamw_groups, adamw_kwargs, hp)
         super().__init__(groups, hp)
         self._link_adamw()  # State is created at a param's first gradient, as torch does ([Note: lazy state]).
@@ -303,13 +308,11 @@ class OverlapMuon(torch.optim.Optimizer):
         reruns = self._rt.commit(ok)
         if reruns and not self._warned_reruns:
             self._warned_reruns = True
-            warnings.warn(
+            warn_user(
                 f"OverlapMuon: {reruns} of {len(self._rt.waves)} waves were re-run in step() because their inputs "
                 "changed after backward launched them (gradients edited in place, e.g. clipping, unscaling or a "
                 "collective, DDP averaging without attach_ddp, a changed momentum/NS setting, or optimizer state "
-                "loaded between backward and step). The result is exact; the overlap of those waves is lost.",
-                stacklevel=4,
-            )
+                "loaded between backward and step). The result is exact; the overlap of those waves is lost.")
         if self._adamw is not None and ok:
             self._adamw.step()
             init_adamw_state(self.param_groups[1:], self.state, self._rt.pipeline.adamw_elsewhere())

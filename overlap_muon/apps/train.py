@@ -342,6 +342,20 @@ class _TorchMuonPair:
         self.adamw.load_state_dict(sd["adamw"])
 
 
+def hardware_notes(ranks_here: int, cores: int, cuda: bool, overlap: bool, rates: dict[str, float]) -> list[str]:
+    """Warnings the job prints at start (rank 0): more ranks than cores with overlap on (the NS lanes then find
+    no idle core and the overlap costs time), and bf16 matmul slower than fp32 (no native bf16: every NS, in bf16,
+    is slow). ``rates``: 1-thread GFLOP/s by dtype (``apps.bench.common.matmul_gflops``)."""
+    notes = []
+    if not cuda and overlap and ranks_here >= cores:
+        notes.append(f"{ranks_here} ranks on {cores} CPU cores with overlap on: the optimizer's lanes find no idle core "
+                     "here, so overlap costs time; OVERLAP_MUON_OVERLAP=0 is faster on this machine")
+    if not cuda and rates.get("bf16", 0.0) < rates.get("fp32", 0.0):
+        notes.append(f"bf16 matmul runs at {rates['bf16']:.0f} GFLOP/s here against {rates['fp32']:.0f} for fp32 (no "
+                     "native bf16: avx512_bf16 / AMX): NS is bf16, so expect the job to take several times longer")
+    return notes
+
+
 def _build_optimizer(args: argparse.Namespace, model: GPT, mesh):
     if args.optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(args))
@@ -372,8 +386,11 @@ def _build_optimizer(args: argparse.Namespace, model: GPT, mesh):
         qk = QKClip(args.qk_clip, h, model.cfg.head_dim, **rows)
         for block in model.blocks:
             block.attn.record_logits = True
-    return OverlapMuon(model, **_muon_kwargs(args), adamw_kwargs=_adamw_kwargs(args), device_mesh=mesh,
-                       max_grad_norm=args.max_grad_norm, split=split, qk_clip=qk, **moe)
+    try:
+        return OverlapMuon(model, **_muon_kwargs(args), adamw_kwargs=_adamw_kwargs(args), device_mesh=mesh,
+                           max_grad_norm=args.max_grad_norm, split=split, qk_clip=qk, **moe)
+    except (ValueError, TypeError) as e:  # raised on every rank before any exchange: one line per rank
+        raise _ConfigError(str(e)) from e
 
 
 def _sync(opt) -> None:
@@ -629,6 +646,17 @@ def _train(args, cfg, data, device, rank, world, fingerprint, resume_state) -> d
         remat_group = mesh["remat"].get_group() if args.remat > 1 else None
         parallelize(model, mesh)
     opt = _build_optimizer(args, model, mesh)
+    if rank == 0 and not args.quiet:
+        from .bench.common import matmul_gflops
+
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        overlap = bool(getattr(getattr(opt, "config", None), "overlap", False))
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        for note in hardware_notes(ranks_here, cores, device.type == "cuda", overlap, matmul_gflops()):
+            print(f"{_PROG}: warning: {note}", file=sys.stderr, flush=True)
     try:
         if resume_state is not None:
             _load_checkpoint(resume_state, model, opt)

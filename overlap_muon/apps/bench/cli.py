@@ -20,7 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from . import balance, comm, memory, ns, overhead, overlap, peers, step, surplus
-from .common import _Options, _two_thread_speedup, machine_info
+from .common import _Options, _two_thread_speedup, machine_info, matmul_gflops
 
 __all__ = ["main", "CASES", "CASE_MODULES", "expected_ratio_keys", "machine_info"]
 
@@ -131,12 +131,18 @@ def main(argv: list[str] | None = None) -> int:
                  timeout_s=args.timeout)
     info = machine_info()
     info["two_thread_speedup_at_start"] = round(_two_thread_speedup(), 3)
+    info["matmul_gflops"] = {k: round(v, 1) for k, v in matmul_gflops().items()}
     print(_header(info, o), flush=True)
+    rates = info["matmul_gflops"]
+    slow = "  (bf16 slower than fp32: no native bf16, so NS, in bf16, runs slowly here)" if rates["bf16"] < rates[
+        "fp32"] else ""
+    print(f"matmul, 1 thread: bf16 {rates['bf16']:.0f} GFLOP/s, fp32 {rates['fp32']:.0f} GFLOP/s{slow}", flush=True)
     t_all = time.perf_counter()
     report: dict[str, Any] = {"schema": 1, "machine": info, "quick": o.quick, "cases": {}, "ratios": {}}
     failed = []
-    for name in names:
+    for i, name in enumerate(names):
         t0 = time.perf_counter()
+        print(f"[{i + 1}/{len(names)}] {name} ...", flush=True)
         try:
             res = CASE_MODULES[name].run(o)
         except Exception as e:  # noqa: BLE001 - one failing case must not hide the others' figures

@@ -125,6 +125,24 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def matmul_gflops(n: int = 384, rounds: int = 5) -> dict[str, float]:
+    """This CPU's 1-thread matmul rate, GFLOP/s, for ``bf16`` and ``fp32`` (median of ``rounds`` ``(n, n)``
+    products, about 0.1 s). Without native bf16 (no ``avx512_bf16`` / AMX) bf16 runs several times slower than
+    fp32, and every NS (bf16, as ``torch.optim.Muon``) with it."""
+    out = {}
+    with _threads(1):
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            a = torch.randn(n, n).to(dtype)
+            torch.mm(a, a)
+            ts = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                torch.mm(a, a)
+                ts.append(time.perf_counter() - t0)
+            out[name] = 2 * n ** 3 / sorted(ts)[rounds // 2] / 1e9
+    return out
+
+
 def _two_thread_speedup(seconds: float = 0.3) -> float:
     """How many cores two compute threads get right now: work rate of two threads over one, in [0, 2] (2.0: two
     idle cores).

@@ -420,3 +420,15 @@ def test_gram_ns_run_beats_the_unigram_floor(tmp_path):
     assert runs[0]["below_unigram"] > 0, runs[0]["below_unigram"]
     assert _figures(runs[0]) == _figures(runs[1])
     assert _figures(runs[0]) != _figures(runs[2])
+
+
+def test_verify_checks_the_optimizer_against_torch(tmp_path):
+    """``--verify`` at TP 2 and at TP 1 x remat 2: the run's params equal a full-matrix ``torch.optim.Muon`` +
+    ``AdamW`` fed the run's own gradients at every step. It has teeth: with Gram NS (not torch's NS) it reports a
+    difference."""
+    data = _text_file(tmp_path)
+    argv = TINY + ["--data", data, "--verify"]
+    configs = [({}, argv + ["--tp", "2"]), ({}, argv + ["--tp", "1"]), ({"OVERLAP_MUON_GRAM_NS": "1"}, argv)]
+    runs = run_ranks(_run_configs, 2, configs, timeout=300)[0]
+    assert runs[0]["verify_equal"] is True and runs[1]["verify_equal"] is True
+    assert runs[2]["verify_equal"] is False

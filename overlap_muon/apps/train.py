@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--qk-clip", type=float, default=None, metavar="TAU",
       help="QK-clip (MuonClip) threshold: after each step, scale down the query/key rows of the heads whose max "
            "attention logit exceeded TAU (overlap_muon only; overlap_muon.QKClip)")
+    a("--verify", action="store_true",
+      help="check the optimizer against torch.optim.Muon + AdamW on this machine: a full-matrix copy of every param, "
+           "fed this run's own (gathered) gradients each step, must stay bitwise equal (overlap_muon only)")
     a("--split-qkv", action="store_true",
       help="orthogonalize the fused qkv weight as its Q, K and V parts (overlap_muon.QKVSplit), as with --qkv separate")
     a("--moe", action="store_true",
@@ -200,6 +203,10 @@ def _check_args(args: argparse.Namespace, world: int) -> ModelConfig:
                            "different ranks); drop --max-grad-norm or run without torchrun")
     if args.split_qkv and (args.qkv != "fused" or args.optimizer != "overlap_muon"):
         raise _ConfigError("--split-qkv splits the fused qkv weight for --optimizer overlap_muon; it needs --qkv fused")
+    if args.verify and (args.optimizer != "overlap_muon" or args.moe or args.split_qkv or args.max_grad_norm is not None
+                        or args.qk_clip is not None or args.resume):
+        raise _ConfigError("--verify checks --optimizer overlap_muon on the plain model from step 0: drop --moe, "
+                           "--split-qkv, --max-grad-norm, --qk-clip and --resume (their own tests cover them)")
     if args.qk_clip is not None and (args.optimizer != "overlap_muon" or not args.qk_clip > 0):
         raise _ConfigError(f"--qk-clip needs a positive TAU and --optimizer overlap_muon, got {args.qk_clip} with "
                            f"{args.optimizer}")
@@ -284,6 +291,53 @@ def _muon_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "nesterov": True,
         "adjust_lr_fn": args.adjust_lr_fn,
     }
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class _Verifier:
+    """``--verify``: every param as a full matrix, stepped by ``torch.optim.Muon`` (the Muon params of the run) and
+    ``torch.optim.AdamW`` (the rest) on this run's own gradients, gathered each step, with the run's learning
+    rates; after each step the run's params must equal it bit for bit. It checks the optimizer alone, on this
+    machine's kernels, whatever the layout: at TP > 1 the forward itself differs in the last bits from one process
+    (``RowwiseParallel`` splits a reduction), so a whole-run comparison would not be bitwise there. Collective (every
+    rank gathers)."""
+
+    def __init__(self, model: GPT, opt: Any, args: argparse.Namespace) -> None:
+        muon_names = set(opt.muon_param_names)
+        self.named = list(model.named_parameters())
+        self.full = [torch.nn.Parameter(_full(p.detach()).clone()) for _, p in self.named]
+        is_muon = [n in muon_names for n, _ in self.named]
+        self.muon = torch.optim.Muon([f for f, m in zip(self.full, is_muon) if m], **_muon_kwargs(args))
+        self.adamw = torch.optim.AdamW([f for f, m in zip(self.full, is_muon) if not m], **_adamw_kwargs(args))
+        self.steps, self.first_bad = 0, None
+
+    def before_step(self, opt: Any) -> None:
+        """Feed the shadow this step's gradients and learning rates, and step it."""
+        lrs = {g.get("algorithm"): g["lr"] for g in opt.param_groups}
+        for (_, p), f in zip(self.named, self.full):
+            f.grad = _full(p.grad).clone() if p.grad is not None else None
+        for o, algo in ((self.muon, "muon"), (self.adamw, "adamw")):
+            for g in o.param_groups:
+                g["lr"] = lrs.get(algo, g["lr"])
+            o.step()
+            o.zero_grad()
+
+    def after_step(self) -> None:
+        """Compare the run's params with the shadow's (the step has landed: ``step()`` returns with its updates)."""
+        bad = [n for (n, p), f in zip(self.named, self.full) if not torch.equal(_full(p.detach()), f.detach())]
+        if bad and self.first_bad is None:
+            self.first_bad = (self.steps, bad)
+        self.steps += 1
+
+    def report(self) -> str:
+        if self.first_bad is None:
+            return (f"verify: bitwise equal to torch.optim.Muon + AdamW fed this run's gradients, at every one of "
+                    f"{self.steps} steps ({len(self.full)} params)")
+        step, bad = self.first_bad
+        return f"verify: DIFFERENT from torch.optim.Muon + AdamW from step {step}: {bad[:6]}"
 
 
 class _TorchMuonPair:
@@ -669,6 +723,7 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
     from tqdm import tqdm
 
     log = rank == 0 and not args.quiet
+    verifier = _Verifier(model, opt, args) if args.verify else None
     start, losses, val_hist = 0, [], []
     if resume_state is not None:
         start, losses, val_hist = resume_state["step"], list(resume_state["losses"]), list(resume_state["val_history"])
@@ -727,7 +782,11 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
 
                 clip_grads_by_total_norm_([p.grad for p in model.parameters() if p.grad is not None],
                                           args.max_grad_norm)
+            if verifier is not None:
+                verifier.before_step(opt)
             opt.step()
+            if verifier is not None:
+                verifier.after_step()
             opt.zero_grad()
         if remat_group is not None:
             dist.all_reduce(loss_sum, group=remat_group)
@@ -784,6 +843,10 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
         "tp": args.tp,
         "remat": args.remat,
     }
+    if verifier is not None:
+        summary["verify_equal"] = verifier.first_bad is None
+        if rank == 0:
+            print(verifier.report(), flush=True)
     qk = getattr(opt, "_qk", None)
     if qk is not None:
         summary["max_attn_logit"] = qk.peak_max_logit

@@ -323,8 +323,16 @@ def _log_split(muon: list[MuonParam], adamw_groups: list[dict[str, Any]], named:
     nb = (sum(m.full_shape[0] * m.full_shape[1] * m.param.element_size() for m in muon),
           sum(p.numel() * p.element_size() for grp in adamw_groups for p in grp["params"]))
     table, summary = split_table(mu, aw, nb)
-    logger.info("%s", table)
-    logger.info("%s", summary)
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("%s", table)
+        logger.info("%s", summary)
+    elif not _SPLIT_SHOWN:  # logging is not set up: one line, once per process, says where the table is
+        _SPLIT_SHOWN.append(True)
+        logger.warning("%s (the table of which param went where: logging.getLogger('overlap_muon').setLevel("
+                       "logging.INFO) before building the optimizer)", summary)
+
+
+_SPLIT_SHOWN: list[bool] = []  # the one-line split summary was shown in this process
 
 
 def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommContext:

@@ -128,3 +128,23 @@ def test_main_job_hardware_warnings():
     assert "no native bf16" in bf16 and "1 GFLOP/s" in bf16
     for note in crowded + [bf16]:
         _one_paragraph(note)
+
+
+def test_split_summary_shown_once_without_logging_setup(caplog):
+    """Logging not set up (the logger not enabled for INFO): one line, once per process, with the split summary and
+    how to see the table; with INFO on, the table itself."""
+    import logging
+
+    from overlap_muon import builder
+
+    builder._SPLIT_SHOWN.clear()
+    caplog.set_level(logging.WARNING, logger="overlap_muon")
+    for _ in range(2):
+        OverlapMuon(TinyNet(), **HP).close()
+    lines = [r.getMessage() for r in caplog.records if "Muon matrices" in r.getMessage()]
+    assert len(lines) == 1 and "setLevel(logging.INFO)" in lines[0], lines
+    _one_paragraph(lines[0])
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="overlap_muon")
+    OverlapMuon(TinyNet(), **HP).close()
+    assert any("up.weight" in r.getMessage() for r in caplog.records)  # the table names the params

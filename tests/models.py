@@ -240,3 +240,11 @@ def fully_shard_tiny(model: TinyNet, mesh) -> None:
     for name in ("up", "gate", "down"):
         fully_shard(model.get_submodule(name), mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def full_mismatches(model: nn.Module, ref: nn.Module) -> list[str]:
+    """Names of ``model``'s params whose full tensors (``full_tensor()`` of a DTensor; collective) differ from
+    ``ref``'s, compared with ``torch.equal``."""
+    got = [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    return [n for (n, _), a, b in zip(ref.named_parameters(), got, ref.parameters()) if not torch.equal(a, b)]
+

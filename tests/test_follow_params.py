@@ -17,7 +17,7 @@ from torch import nn
 
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, HP, TinyNet, fully_shard_tiny, torch_ref_opts
+from tests.models import ADAMW_KW, HP, TinyNet, full_mismatches, fully_shard_tiny, torch_ref_opts
 
 X = [torch.randn(4, 12, generator=torch.Generator().manual_seed(700 + s)) for s in range(4)]
 
@@ -65,10 +65,8 @@ def _body(rank, world, order, steps, **kw):
             o.step()
             o.zero_grad()
     opt.synchronize()
-    got = [p.full_tensor().detach() for p in model.parameters()]
-    trained = opt.stats["ns_matrices"] > 0
+    bad, trained = full_mismatches(model, ref), opt.stats["ns_matrices"] > 0
     opt.close()
-    bad = [n for (n, _), a, b in zip(ref.named_parameters(), got, ref.parameters()) if not torch.equal(a, b)]
     return bad, trained, reruns, in_backward
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from tests.seams import SeamedOverlapMuon as OverlapMuon, TestingSeam
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, HP, TinyNet, fully_shard_tiny, local, torch_ref_opts, train_pair
+from tests.models import ADAMW_KW, HP, TinyNet, full_mismatches, fully_shard_tiny, local, torch_ref_opts, train_pair
 
 X = [torch.randn(4, 12, generator=torch.Generator().manual_seed(300 + s)) for s in range(6)]
 # A test seam makes NS slow, as a large model's is, so that the updates are still in flight when the loop reads or
@@ -166,9 +166,9 @@ def _unshard_body(rank, world):
             o.step()
             o.zero_grad()
     opt.synchronize()
-    got = [p.full_tensor().detach() for p in model.parameters()]
+    bad = full_mismatches(model, ref)
     opt.close()
-    return [n for (n, _), a, b in zip(ref.named_parameters(), got, ref.parameters()) if not torch.equal(a, b)]
+    return bad
 
 
 @pytest.mark.timeout(150)

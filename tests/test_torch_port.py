@@ -169,7 +169,7 @@ def test_muon_inputs_fsdp_tp_2x2():
 # error inputs
 # ---------------------------------------------------------------------------------------------------------------
 def test_error_invalid_param_type():
-    with pytest.raises(TypeError, match="OverlapMuon expects an nn.Module, got Parameter"):
+    with pytest.raises(TypeError, match=r"expects the model \(an nn.Module\), got a Parameter: pass the model, not its"):
         OverlapMuon(nn.Parameter(torch.randn(1, 1)))
 
 

@@ -69,7 +69,8 @@ def main() -> None:
     without = train(build(mesh), mesh, overlap=False)
     equal = all(torch.equal(a, b) for a, b in zip(with_overlap, without))
     if dist.get_rank() == 0:
-        print(f"FSDP {world // args.tp} x TP {args.tp}: overlap on and off are {'bitwise equal' if equal else 'DIFFERENT'}")
+        verdict = "bitwise equal" if equal else "DIFFERENT"
+        print(f"FSDP {world // args.tp} x TP {args.tp}: overlap on and off are {verdict}")
     dist.destroy_process_group()
     raise SystemExit(0 if equal else 1)
 

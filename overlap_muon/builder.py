@@ -28,6 +28,7 @@ from .comm import CommContext, build_comm, stage_group
 from .config import OverlapMuonConfig
 from .discovery import discover_expert_layouts, discover_layouts, discover_stages, mesh_dims, my_coords
 from .domain import MuonParam
+from .messages import warn_user
 from .muon_math import check_hyperparameters
 from .placement import place_params
 from .scheduler import plan_by_domain, plan_waves, plan_waves_by_cost
@@ -36,7 +37,6 @@ from .scheduler.kinds import WavePlan, plan_kinds
 from .scheduler.surplus import CPU_GLOO
 from .scheduler.waves import Wave
 from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
-from .messages import warn_user
 
 __all__ = ["Placement", "unwrap", "check_arguments", "place", "make_groups", "param_groups", "plan", "ns_costs",
            "fsdp_roots"]

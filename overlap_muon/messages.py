@@ -22,7 +22,8 @@ def _internal_dirs() -> tuple[str, ...]:
     here = os.path.dirname(os.path.abspath(__file__))
     mods = [sys.modules.get(n) for n in ("overlap_muon.hooks", "overlap_muon.scheduler")]
     dirs = [os.path.dirname(os.path.abspath(torch.__file__)), here]
-    dirs += [os.path.dirname(os.path.abspath(m.__file__)) for m in mods if m is not None and getattr(m, "__file__", None)]
+    dirs += [os.path.dirname(os.path.abspath(m.__file__)) for m in mods
+             if m is not None and getattr(m, "__file__", None)]
     return tuple(d + os.sep for d in dirs)
 
 

@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .ns import _schedule, adjusted_lr
 from .messages import warn_user
+from .ns import _schedule, adjusted_lr
 
 
 __all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update", "CommitAtApply",

@@ -26,17 +26,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import builder
-
 from .config import resolve_config
 from .domain import Domain
 from .hooks import ParamOwners, weak_callback
+from .messages import warn_user
 from .ns import DEFAULT_NS_COEFFICIENTS
 from .qk_clip import QKClip
 from .runtime import Runtime, StepPhase
 from .scheduler.waves import Wave
 from .split import SplitArg
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
-from .messages import warn_user
 
 __all__ = ["OverlapMuon", "StepPhase"]
 

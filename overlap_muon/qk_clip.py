@@ -179,7 +179,8 @@ class QKClipper:
 
     def __init__(self, spec: QKClip, model: nn.Module, muon: Sequence[Any], tp_rank: int, group: Any) -> None:
         self.spec, self.group, self.tp_rank = spec, group, tp_rank
-        self.last_max_logit = self.peak_max_logit = float("-inf")  # over every layer and head: the last step's, the peak
+        # the max over every layer and head: the last step's, and the peak so far
+        self.last_max_logit = self.peak_max_logit = float("-inf")
         by_name = {m.name: m for m in muon}
         errors = spec.errors()
         pick = (lambda pat: [m for n, m in by_name.items() if name_matches(n, pat)])  # noqa: E731
@@ -196,7 +197,7 @@ class QKClipper:
         q_rows, k_rows, fused_rows = spec.rows()
         self.layers: list[tuple[nn.Module, list[tuple[str, Any]]]] = []
         for layer in layers:
-            owners = {m.name.rsplit(".", 2)[0] for _, m in layer}
+            owners = {m.name.rsplit(".", 2)[0] if m.name.count(".") >= 2 else "" for _, m in layer}  # the parent
             for which, m in layer:
                 want = {"q": len(q_rows), "k": len(k_rows), "qkv": fused_rows}[which]
                 if m.full_shape[0] != want or m.transposed or m.expert is not None:

@@ -171,9 +171,14 @@ def gram_zeropower(
     precision. What differs from the source: bf16 instead of fp16 (this CPU multiplies fp16 about 6x slower than
     bf16, measured 181 against 1029 GFLOP/s at 1024³, and ``torch.optim.Muon`` iterates in bf16 too), and the
     ``aI`` of each segment's first ``Q`` is added in fp32 before one rounding (a bf16 in-place diagonal add rounds
-    worse). Accuracy against a float64 NS, relative Frobenius error: 1.21 to 1.26 times that of plain bf16 NS at
-    1024x4096 and about 1.15 times at 2048x8192 (random full-rank matrices; equal on low-rank ones): not bitwise,
-    and not quite as accurate; see ``docs/results.md``.
+    worse). Accuracy against a float64 NS, relative Frobenius error as a multiple of plain bf16 NS's: 1.21 to 1.26
+    at 1024x4096 and about 1.15 at 2048x8192 on random full-rank matrices, 0.83 to 0.94 on rank-16 ones, but 1.37
+    on rank-128 ones at 1024x4096 and about 2.1 at 256x1024: ``R0 = X Xᵀ`` squares the singular values, so its
+    bf16 rounding is noise of relative size ``sqrt(2^-9)`` on the small ones, which NS then amplifies. Not bitwise,
+    and less accurate on gradients with a large null space; see ``docs/results.md``. Tried and not taken: forming
+    the restart's ``R`` as ``P R0 Pᵀ`` from the segments' ``Q`` (``n x n`` products only, ``X`` touched once at
+    the end): 1.73x and 1.55x faster than plain NS instead of 1.42x and 1.37x, the same full-rank error, but up to
+    twice the error on rank-16 matrices.
 
     Args:
         X: ``(m, n)`` or ``(b, m, n)`` tensor, any float dtype (a tall matrix is transposed, as in

@@ -218,3 +218,10 @@ def test_case_modules_import_common_and_the_library_only():
     for node in ast.walk(common_tree):
         if isinstance(node, ast.ImportFrom):
             assert not node.level and not (node.module or "").startswith(bench.__name__), ast.unparse(node)
+
+
+def test_small_option_halves_the_ns_heavy_sides():
+    """``--small`` (on by itself with ``--quick`` where bf16 matmul is slower than fp32) halves matrix sides."""
+    small = common._Options(quick=True, repeats=1, baseline=True, trace_dir=".", timeout_s=10.0, small=True)
+    full = common._Options(quick=True, repeats=1, baseline=True, trace_dir=".", timeout_s=10.0)
+    assert (small.side(512), full.side(512), small.side(1)) == (256, 512, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -94,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
                 "(pydoc overlap_muon.apps.bench.CASE, e.g. overlap_muon.apps.bench.comm)."),
     )
     ap.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 cores)")
+    ap.add_argument("--small", action="store_true",
+                    help="half-size matrices in the NS-heavy cases (ns, surplus); on by itself with --quick where bf16 "
+                         "matmul is slower than fp32")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     ap.add_argument("--json", metavar="PATH", help="write every figure, ratio and the machine description here")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default: per case)")
@@ -134,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     info["matmul_gflops"] = {k: round(v, 1) for k, v in matmul_gflops().items()}
     print(_header(info, o), flush=True)
     rates = info["matmul_gflops"]
-    slow = "  (bf16 slower than fp32: no native bf16, so NS, in bf16, runs slowly here)" if rates["bf16"] < rates[
-        "fp32"] else ""
-    print(f"matmul, 1 thread: bf16 {rates['bf16']:.0f} GFLOP/s, fp32 {rates['fp32']:.0f} GFLOP/s{slow}", flush=True)
+    slow_bf16 = rates["bf16"] < rates["fp32"]
+    o = dataclasses.replace(o, small=args.small or (o.quick and slow_bf16))
+    print(f"matmul, 1 thread: bf16 {rates['bf16']:.0f} GFLOP/s, fp32 {rates['fp32']:.0f} GFLOP/s"
+          + ("  (bf16 slower than fp32: no native bf16, so NS, in bf16, runs slowly here)" if slow_bf16 else "")
+          + ("; the NS-heavy cases use half-size matrices (--small)" if o.small else ""), flush=True)
     t_all = time.perf_counter()
     report: dict[str, Any] = {"schema": 1, "machine": info, "quick": o.quick, "cases": {}, "ratios": {}}
     failed = []

@@ -51,9 +51,16 @@ class _Options:
     """Where traces, timelines and flame graphs go."""
     timeout_s: float
     """Hard wall-clock limit of one multi-rank spawn, seconds."""
+    small: bool = False
+    """Halve the NS-heavy cases' matrix sides (``--small``, or ``--quick`` on a CPU whose bf16 matmul is slower than
+    fp32: without native bf16 every NS, which runs in bf16, is several times slower)."""
 
     def reps(self, quick: int, full: int) -> int:
         return self.repeats if self.repeats is not None else (quick if self.quick else full)
+
+    def side(self, n: int) -> int:
+        """A matrix side, halved with :attr:`small`."""
+        return max(1, n // 2) if self.small else n
 
 
 @dataclass

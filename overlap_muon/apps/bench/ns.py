@@ -48,7 +48,8 @@ def _bmm_like_ns(x: Tensor, steps: int) -> Tensor:
 
 def run(o: _Options) -> _CaseResult:
     # The step case's matrices as the runtime batches them by shape (square, wide, tall).
-    batches = ((8, 256, 256), (4, 1024, 256), (4, 256, 1024)) if o.quick else (
+    batches = ((8, o.side(256), o.side(256)), (4, o.side(1024), o.side(256)), (4, o.side(256), o.side(1024))) \
+        if o.quick else (
         (48, 256, 256), (12, 1024, 256), (12, 256, 1024))
     warmup, repeats = 1, o.reps(3, 7)
     steps = 5
@@ -129,6 +130,7 @@ def _gram_vs_plain(o: _Options, steps: int, batches: tuple) -> dict[str, Any]:
     """Time plain, chosen (``gram=True``) and forced Gram NS side by side per shape; the error against float64 at
     two small shapes; the step case's matrices with and without ``gram``."""
     shapes = ((256, 1024), (512, 2048), (512, 512)) if o.quick else ((1024, 4096), (2048, 8192), (4096, 4096))
+    shapes = tuple((o.side(p), o.side(q)) for p, q in shapes)
     warmup, repeats = 1, o.reps(5, 5)
     gen = torch.Generator().manual_seed(17)
     out: dict[str, Any] = {"shapes": [], "error": []}
@@ -184,6 +186,7 @@ def _syrk_flops(shape: tuple[int, int], steps: int, block: int) -> int:
 def _syrk_vs_plain(o: _Options, steps: int) -> tuple[list[dict[str, Any]], float | None]:
     """Time ``zeropower`` with and without ``syrk`` on one matrix per shape, interleaved; compare the results."""
     shapes = ((256, 256), (256, 1024), (512, 512)) if o.quick else ((1024, 1024), (2048, 8192), (4096, 4096))
+    shapes = tuple((o.side(p), o.side(q)) for p, q in shapes)
     warmup, repeats = 1, o.reps(2, 3)
     gen = torch.Generator().manual_seed(13)
     rows, tot_plain, tot_syrk, tot_flops = [], 0.0, 0.0, 0

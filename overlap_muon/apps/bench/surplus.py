@@ -133,7 +133,7 @@ def run(o: _Options) -> _CaseResult:
 
     from overlap_muon.apps.simulate import SimConfig, simulate
 
-    shape = (512, 2048) if o.quick else (2048, 8192)
+    shape = (o.side(512), o.side(2048)) if o.quick else (o.side(2048), o.side(8192))
     world, steps = 2, 5
     warmup, repeats = 1, o.reps(2, 5)
     res = _run_ranks(_surplus_rank, world, shape, steps, warmup, repeats, timeout_s=o.timeout_s)

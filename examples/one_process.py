@@ -6,6 +6,7 @@ Prints "bitwise equal" when every parameter matches bit for bit after 5 steps (e
 """
 
 import copy
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -13,7 +14,8 @@ from torch import nn
 from overlap_muon import OverlapMuon
 
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64), nn.Linear(64, 10))
+model = nn.Sequential(OrderedDict(up=nn.Linear(64, 256), act=nn.GELU(), down=nn.Linear(256, 64),
+                                  norm=nn.LayerNorm(64), head=nn.Linear(64, 10)))  # "head": the output head, to AdamW
 reference = copy.deepcopy(model)
 
 # OverlapMuon: Muon for the hidden nn.Linear weights, AdamW for the rest (biases, norms, and the output head).
@@ -40,6 +42,7 @@ def train(model, optimizers, batches):
 batches = [(torch.randn(32, 64), torch.randint(0, 10, (32,))) for _ in range(5)]
 print(f"loss after 5 steps: {train(model, [opt], batches):.4f} (OverlapMuon), "
       f"{train(reference, ref_opts, batches):.4f} (torch.optim.Muon + AdamW)")
+assert opt.muon_param_names == ["up.weight", "down.weight"]
 equal = all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
 print("bitwise equal" if equal else "DIFFERENT")
 opt.close()

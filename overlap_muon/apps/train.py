@@ -873,6 +873,8 @@ def _profiler(args, rank, device):
     from torch.profiler import ProfilerActivity, profile, schedule
 
     skip, active = args.profile_steps
+    stop = args.stop_at if args.stop_at is not None else args.steps
+    active = max(1, min(active, stop - skip))  # the trace holds only steps that run
     os.makedirs(args.profile_dir, exist_ok=True)
     out = os.path.join(args.profile_dir, f"rank{rank}.json")
 

@@ -288,7 +288,8 @@ class OverlapMuon(torch.optim.Optimizer):
         self._follow_params()
         self._rt.phase = StepPhase.STEP
         try:
-            ok, norm = self._rt.prepare(self.max_grad_norm, list(self._model.parameters()))
+            clip_params = list(self._model.parameters()) if self.max_grad_norm is not None else []
+            ok, norm = self._rt.prepare(self.max_grad_norm, clip_params)
             self.last_grad_norm = norm if norm is not None else getattr(self, "last_grad_norm", None)
             self._rt.launch_rest(ok)
             self._commit(ok)

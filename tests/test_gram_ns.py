@@ -15,22 +15,10 @@ import torch
 from torch import nn
 
 from overlap_muon import GateUpSplit, OverlapMuon
+from overlap_muon.apps.bench.ns import ns_float64
 from overlap_muon.ns import gram_wins, gram_zeropower, zeropower
 from tests.dist_utils import run_ranks
 from tests.models import HP
-
-
-def _ns64(x: torch.Tensor, steps: int = 5, abc=(3.4445, -4.7750, 2.0315)) -> torch.Tensor:
-    """The NS iteration of ``torch.optim.Muon`` in float64 (no bf16 cast): the accuracy reference."""
-    x = x.double()
-    tall = x.size(0) > x.size(1)
-    x = x.mT if tall else x
-    x = x / x.norm().clamp(min=1e-7)
-    a, b, c = abc
-    for _ in range(steps):
-        g = x @ x.mT
-        x = a * x + (b * g + c * g @ g) @ x
-    return x.mT if tall else x
 
 
 @pytest.mark.parametrize("shape", [(256, 1024), (512, 2048), (1024, 256)])
@@ -43,7 +31,7 @@ def test_error_against_float64_beside_plain(shape, rank):
         g = torch.Generator().manual_seed(seed)
         x = (torch.randn(*shape, generator=g) if rank == "full"
              else torch.randn(shape[0], 16, generator=g) @ torch.randn(16, shape[1], generator=g))
-        ref = _ns64(x)
+        ref = ns_float64(x)
         plain = (zeropower(x).double() - ref).norm() / ref.norm()
         gram = (gram_zeropower(x).double() - ref).norm() / ref.norm()
         assert gram / plain < 1.3, (seed, float(gram), float(plain))

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap_muon.apps.bench.ns import ns_float64
 from overlap_muon.ns import zeropower
 from overlap_muon.team_ns import team_norms, team_row_counts, team_zeropower_blocks, team_zeropower_full
 from tests.dist_utils import run_ranks
@@ -125,25 +126,13 @@ def test_team_block_follows_torch_chunk_on_the_long_dim():
     assert team_block((3, 3), 4, 3) == (0, 3, 3, 0)  # torch.chunk: 3 columns over 4 members, the last is empty
 
 
-def _ns64(X, steps=5, coefficients=(3.4445, -4.7750, 2.0315)):
-    """NS in float64 with torch's coefficients: what the bf16 iterations approximate."""
-    a, b, c = coefficients
-    x = X.double()
-    tall = x.size(0) > x.size(1)
-    x = (x.T if tall else x) / x.norm().clamp(min=1e-7)
-    for _ in range(steps):
-        A = x @ x.T
-        x = a * x + (b * A + c * A @ A) @ x
-    return x.T if tall else x
-
-
 def _accuracy_body(rank, world, cases):
     out = []
     for (P, Q), B in cases:
         gen = torch.Generator().manual_seed(P + Q + (B or 0))
         X = torch.randn(P, Q, generator=gen) if B is None else (
             torch.randn(B, P, generator=gen).T @ torch.randn(B, Q, generator=gen))  # rank B
-        exact = _ns64(X)
+        exact = ns_float64(X)
         team = (team_zeropower_full(X, dist.group.WORLD).double() - exact).norm()
         ref = (zeropower(X).double() - exact).norm()
         out.append((team / ref).item())

@@ -114,15 +114,17 @@ def run(o: _Options) -> _CaseResult:
     )
 
 
-def _ns64(x: Tensor, steps: int) -> Tensor:
-    """``torch.optim.Muon``'s NS iteration in float64 (no bf16 cast): the accuracy reference."""
+def ns_float64(x: Tensor, steps: int = 5, abc: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)) -> Tensor:
+    """``torch.optim.Muon``'s NS iteration on a ``(P, Q)`` matrix in float64 (no bf16 cast): the accuracy reference
+    of the bf16 NS paths. Returns a float64 ``(P, Q)`` tensor."""
     x = x.double()
     tall = x.size(0) > x.size(1)
     x = x.mT if tall else x
     x = x / x.norm().clamp(min=1e-7)
+    a, b, c = abc
     for _ in range(steps):
         g = x @ x.mT
-        x = 3.4445 * x + (-4.7750 * g + 2.0315 * g @ g) @ x
+        x = a * x + (b * g + c * g @ g) @ x
     return x.mT if tall else x
 
 
@@ -157,7 +159,7 @@ def _gram_vs_plain(o: _Options, steps: int, batches: tuple) -> dict[str, Any]:
             for rank in ("full", "rank16"):
                 x = (torch.randn(P, Q, generator=gen) if rank == "full"
                      else torch.randn(P, 16, generator=gen) @ torch.randn(16, Q, generator=gen))
-                ref = _ns64(x, steps)
+                ref = ns_float64(x, steps)
                 err = [float((f(x, ns_steps=steps).double() - ref).norm() / ref.norm())
                        for f in (zeropower, gram_zeropower)]
                 out["error"].append({"shape": [P, Q], "rank": rank, "plain_error": err[0], "gram_error": err[1],

@@ -51,7 +51,7 @@ def train(model, mesh, overlap: bool, steps: int = 4) -> list[torch.Tensor]:
         opt.step()
         opt.zero_grad()
     opt.close()
-    return [p.full_tensor() for p in model.parameters()]
+    return [p.to_local() for p in model.parameters()]  # this rank's shard of each weight
 
 
 def main() -> None:
@@ -67,12 +67,13 @@ def main() -> None:
     mesh = init_device_mesh(device, (world // args.tp, args.tp), mesh_dim_names=("fsdp", "tp"))
     with_overlap = train(build(mesh), mesh, overlap=True)
     without = train(build(mesh), mesh, overlap=False)
-    equal = all(torch.equal(a, b) for a, b in zip(with_overlap, without))
+    equal = torch.tensor(int(all(torch.equal(a, b) for a, b in zip(with_overlap, without))))
+    dist.all_reduce(equal, op=dist.ReduceOp.MIN)  # every rank's shards
     if dist.get_rank() == 0:
         verdict = "bitwise equal" if equal else "DIFFERENT"
         print(f"FSDP {world // args.tp} x TP {args.tp}: overlap on and off are {verdict}")
     dist.destroy_process_group()
-    raise SystemExit(0 if equal else 1)
+    raise SystemExit(0 if equal.item() else 1)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,28 @@ def test_fsdp_tp_example_under_torchrun():
     assert out.returncode == 0 and "overlap on and off are bitwise equal" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
-def test_readme_code_is_copied_from_the_examples():
-    """Every python block of the README appears, line for line, in one of the example files."""
-    readme = (ROOT / "README.md").read_text()
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_hf_trainer_example(ranks):
+    """One process, and Trainer's DDP on 2 ranks under torchrun: bitwise torch.optim.Muon + AdamW under Trainer's
+    default linear lr schedule, with no wave re-run."""
+    pytest.importorskip("transformers")
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if ranks == 2 else []
+    out = _run([sys.executable, *launch, "examples/hf_trainer.py"], timeout=240)
+    assert out.returncode == 0 and "0 waves re-run in step(): bitwise equal" in out.stdout, \
+        out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("doc, heading", [("README.md", None), ("docs/usage.md", "With Hugging Face")])
+def test_doc_code_is_copied_from_the_examples(doc, heading):
+    """Every python block of the README, and of the usage guide's Hugging Face section, appears line for line in one
+    of the example files."""
+    text = (ROOT / doc).read_text()
+    if heading is not None:
+        text = text[text.index(f"## {heading}\n"):]
+        text = text[:text.index("\n## ")]
     examples = "\n".join(p.read_text() for p in sorted((ROOT / "examples").glob("*.py")))
-    blocks = re.findall(r"^```python\n(.*?)^```", readme, flags=re.M | re.S)
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
     assert blocks
     for block in blocks:
         assert block.strip() in examples, block

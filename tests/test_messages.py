@@ -52,6 +52,19 @@ def test_misspelt_variable_warns_with_the_closest_name():
     assert "OVERLAP_MUON_OVRELAP" in msg and "did you mean OVERLAP_MUON_OVERLAP?" in msg
 
 
+def test_warnings_skip_the_import_machinery_and_stop_at_the_jobs():
+    """Under ``torchrun -m overlap_muon.apps.train`` the misspelt-variable warning named ``<frozen runpy>``: frames of
+    the import machinery are skipped, and the project's own jobs count as the user's code."""
+    import overlap_muon.apps.train as train
+    from overlap_muon import messages
+
+    runner = compile("resolve_config({'OVERLAP_MUON_OVRELAP': '0'})", "<frozen runpy>", "exec")
+    got = _caught(lambda: exec(runner, {"resolve_config": resolve_config}))
+    assert len(got) == 1 and got[0].filename == __file__, [x.filename for x in got]
+    skip = messages._internal_dirs()
+    assert not messages._internal(train.__file__, skip) and messages._internal(messages.__file__, skip)
+
+
 def test_a_warning_in_step_points_at_the_users_line():
     """A re-run warning is raised inside step(), under torch's optimizer wrapper: it names this file, not
     torch/optim/optimizer.py or torch/utils/_contextlib.py."""

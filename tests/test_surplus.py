@@ -293,6 +293,7 @@ def _team_bound(shape, steps=2):
     return steps * 0.02 * math.sqrt(max(1.0, shape[0] / shape[1])) * 2 ** -7
 
 
+@pytest.mark.bf16_heavy
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("R,T", [(1, 2), (2, 2)])
 def test_runtime_team_within_its_bound(R, T):
@@ -314,6 +315,7 @@ def test_runtime_team_within_its_bound(R, T):
             assert float((x - y).abs().max()) <= _team_bound(shape), (shape, float((x - y).abs().max()))
 
 
+@pytest.mark.bf16_heavy
 @pytest.mark.timeout(240)
 def test_runtime_auto_picks_per_wave():
     """``surplus="auto"``: the cost model (``CPU_GLOO`` here) duplicates the small matrix's wave (bitwise) and
@@ -356,6 +358,7 @@ def test_options_that_decide_groups_differ_is_an_error_not_a_hang():
         assert "different options" in msg and "surplus='team'" in msg, msg
 
 
+@pytest.mark.bf16_heavy
 @pytest.mark.timeout(240)
 def test_transposed_and_split_matrices_are_duplicated_not_teamed():
     """A team splits one matrix's columns; a transposed (Conv1D) or split matrix is NS'd as the reference does it

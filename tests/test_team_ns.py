@@ -139,6 +139,7 @@ def _accuracy_body(rank, world, cases):
     return out
 
 
+@pytest.mark.bf16_heavy
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3])
 def test_team_is_as_accurate_as_the_bitwise_path(world):

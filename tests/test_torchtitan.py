@@ -131,6 +131,7 @@ def test_llama3_doc_snippet_bitwise(world, tp):
         assert not bad, bad
 
 
+@pytest.mark.bf16_heavy
 def test_deepseek_v3_moe_experts_world1_bitwise():
     """torchtitan's MoE model class (DeepSeek-V3 ``debugmodel``, 2 of its layers: one dense, one MoE with 8 experts)
     with the doc's ``experts=`` pattern, ``layers.*.moe.routed_experts.inner_experts.w*`` (grouped ``w1_EFD``,

@@ -400,11 +400,13 @@ def hardware_notes(ranks_here: int, cores: int, cuda: bool, overlap: bool, rates
     """Warnings the job prints at start (rank 0): more ranks than cores with overlap on (the NS lanes then find
     no idle core and the overlap costs time), and bf16 matmul slower than fp32 (no native bf16: every NS, in bf16,
     is slow). ``rates``: 1-thread GFLOP/s by dtype (``apps.bench.common.matmul_gflops``)."""
+    from .bench.common import slow_bf16
+
     notes = []
     if not cuda and overlap and ranks_here >= cores:
         notes.append(f"{ranks_here} ranks on {cores} CPU cores with overlap on: the optimizer's lanes find no idle core "
                      "here, so overlap costs time; OVERLAP_MUON_OVERLAP=0 is faster on this machine")
-    if not cuda and rates.get("bf16", 0.0) < rates.get("fp32", 0.0):
+    if not cuda and slow_bf16(rates):
         notes.append(f"bf16 matmul runs at {rates['bf16']:.0f} GFLOP/s here against {rates['fp32']:.0f} for fp32 (no "
                      "native bf16: avx512_bf16 / AMX): NS is bf16, so expect the job to take several times longer")
     return notes

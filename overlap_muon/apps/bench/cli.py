@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from . import balance, comm, memory, ns, overhead, overlap, peers, step, surplus
-from .common import _Options, _two_thread_speedup, machine_info, matmul_gflops
+from .common import _Options, _two_thread_speedup, machine_info, matmul_gflops, slow_bf16
 
 __all__ = ["main", "CASES", "CASE_MODULES", "expected_ratio_keys", "machine_info"]
 
@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     info["matmul_gflops"] = {k: round(v, 1) for k, v in matmul_gflops().items()}
     print(_header(info, o), flush=True)
     rates = info["matmul_gflops"]
-    slow_bf16 = rates["bf16"] < rates["fp32"]
-    o = dataclasses.replace(o, small=args.small or (o.quick and slow_bf16))
+    bf16_slow = slow_bf16(rates)
+    o = dataclasses.replace(o, small=args.small or (o.quick and bf16_slow))
     print(f"matmul, 1 thread: bf16 {rates['bf16']:.0f} GFLOP/s, fp32 {rates['fp32']:.0f} GFLOP/s"
-          + ("  (bf16 slower than fp32: no native bf16, so NS, in bf16, runs slowly here)" if slow_bf16 else "")
+          + ("  (bf16 slower than fp32: no native bf16, so NS, in bf16, runs slowly here)" if bf16_slow else "")
           + ("; the NS-heavy cases use half-size matrices (--small)" if o.small else ""), flush=True)
     t_all = time.perf_counter()
     report: dict[str, Any] = {"schema": 1, "machine": info, "quick": o.quick, "cases": {}, "ratios": {}}

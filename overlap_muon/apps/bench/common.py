@@ -56,7 +56,14 @@ class _Options:
     fp32: without native bf16 every NS, which runs in bf16, is several times slower)."""
 
     def reps(self, quick: int, full: int) -> int:
-        return self.repeats if self.repeats is not None else (quick if self.quick else full)
+        """Timed repeats: ``--repeats``, else the case's ``quick`` or ``full`` count; a quick run with
+        :attr:`small` (slow bf16: a smoke run more than a measurement) takes about half the quick count, at
+        least 2."""
+        if self.repeats is not None:
+            return self.repeats
+        if not self.quick:
+            return full
+        return max(2, (quick + 1) // 2) if self.small else quick
 
     def side(self, n: int) -> int:
         """A matrix side, halved with :attr:`small`."""
@@ -148,6 +155,13 @@ def matmul_gflops(n: int = 384, rounds: int = 5) -> dict[str, float]:
                 ts.append(time.perf_counter() - t0)
             out[name] = 2 * n ** 3 / sorted(ts)[rounds // 2] / 1e9
     return out
+
+
+def slow_bf16(rates: dict[str, float]) -> bool:
+    """Whether bf16 matmul is slower than fp32 here (``rates`` from :func:`matmul_gflops`): a CPU without native
+    bf16 (``avx512_bf16`` / AMX), on which every NS, in bf16, is slow. The bench then halves its NS-heavy matrices,
+    the job warns, and the test suite moves its NS-heavy tests to the long tier."""
+    return rates.get("bf16", 0.0) < rates.get("fp32", 0.0)
 
 
 def _two_thread_speedup(seconds: float = 0.3) -> float:

@@ -155,7 +155,7 @@ def _gram_vs_plain(o: _Options, steps: int, batches: tuple) -> dict[str, Any]:
             if row["gram_chosen"]:
                 tot_plain += row["plain_s"]
                 tot_gram += row["chosen_s"]
-        for P, Q in ((256, 1024), (128, 512)):
+        for P, Q in ((o.side(256), o.side(1024)), (o.side(128), o.side(512))):
             for rank in ("full", "rank16"):
                 x = (torch.randn(P, Q, generator=gen) if rank == "full"
                      else torch.randn(P, 16, generator=gen) @ torch.randn(16, Q, generator=gen))

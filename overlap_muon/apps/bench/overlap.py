@@ -318,47 +318,48 @@ def _simulate_exposed(d: int, blocks: int, world: int, r: dict[str, Any], speedu
 
 
 class _LlamaStack(nn.Module):
-    """A Llama-shaped decoder stack at small scale: per layer RMS norm, causal GQA attention (q ``(256, d)``, k and
-    v ``(128, d)``: 4 query heads and 2 KV heads of 64; o ``(d, 256)``), RMS norm, SwiGLU MLP (gate and up
-    ``(688, d)``, down ``(d, 688)``); no biases, no norm weights (every param a Muon matrix). Input/output
-    ``(B, S, d)`` float32."""
+    """A Llama-shaped decoder stack at small scale: per layer RMS norm, causal GQA attention (q ``(d, d)``, k and
+    v ``(d/2, d)``: 4 query heads and 2 KV heads of ``d/4``; o ``(d, d)``), RMS norm, SwiGLU MLP (gate and up
+    ``(43d/16, d)``, down ``(d, 43d/16)``: 688 at d 256); no biases, no norm weights (every param a Muon matrix).
+    Input/output ``(B, S, d)`` float32."""
 
     def __init__(self, layers: int, d: int = 256) -> None:
         super().__init__()
-        self.d = d
+        self.d, self.head, ff = d, d // 4, 43 * d // 16
         self.layers = nn.ModuleList()
         for _ in range(layers):
             m = nn.Module()
-            m.q, m.k, m.v = nn.Linear(d, 256, bias=False), nn.Linear(d, 128, bias=False), nn.Linear(d, 128, bias=False)
-            m.o = nn.Linear(256, d, bias=False)
-            m.gate, m.up = nn.Linear(d, 688, bias=False), nn.Linear(d, 688, bias=False)
-            m.down = nn.Linear(688, d, bias=False)
+            m.q = nn.Linear(d, d, bias=False)
+            m.k, m.v = nn.Linear(d, d // 2, bias=False), nn.Linear(d, d // 2, bias=False)
+            m.o = nn.Linear(d, d, bias=False)
+            m.gate, m.up = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False)
+            m.down = nn.Linear(ff, d, bias=False)
             self.layers.append(m)
 
     def forward(self, x: Tensor) -> Tensor:
         B, S, _ = x.shape
         for m in self.layers:
             h = F.rms_norm(x, (self.d,))
-            q = m.q(h).view(B, S, 4, 64).transpose(1, 2)
-            k = m.k(h).view(B, S, 2, 64).transpose(1, 2)
-            v = m.v(h).view(B, S, 2, 64).transpose(1, 2)
+            q = m.q(h).view(B, S, 4, self.head).transpose(1, 2)
+            k = m.k(h).view(B, S, 2, self.head).transpose(1, 2)
+            v = m.v(h).view(B, S, 2, self.head).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + m.o(a.transpose(1, 2).reshape(B, S, 256))
+            x = x + m.o(a.transpose(1, 2).reshape(B, S, self.d))
             h = F.rms_norm(x, (self.d,))
             x = x + m.down(F.silu(m.gate(h)) * m.up(h))
         return x
 
 
-def _overlap_llama_rank(rank: int, world: int, layers: int, batch: int, seq: int, rounds: int,
+def _overlap_llama_rank(rank: int, world: int, layers: int, d: int, batch: int, seq: int, rounds: int,
                         chunk: int) -> dict[str, Any]:
     """Interleaved rounds of ``chunk`` training iterations of :class:`_LlamaStack` with no optimizer, overlap off
     and overlap on (each round ends with ``synchronize()``); seconds per iteration and NS calls per step."""
-    x = torch.randn(batch, seq, 256, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(batch, seq, d, generator=torch.Generator().manual_seed(5))
     variants: dict[str, tuple[nn.Module, OverlapMuon | None]] = {}
     for name in ("none", "off", "on"):
         with torch.random.fork_rng():
             torch.manual_seed(12)
-            net = _LlamaStack(layers)
+            net = _LlamaStack(layers, d)
         opt = None if name == "none" else OverlapMuon(net, overlap=(name == "on"), **_HP)
         variants[name] = (net, opt)
 
@@ -395,7 +396,7 @@ def _overlap_llama_rank(rank: int, world: int, layers: int, batch: int, seq: int
 
 
 def run(o: _Options) -> _CaseResult:
-    d = 256
+    d = o.side(256)
     blocks, tokens = (2, 512) if o.quick else (6, 1024)
     rounds, chunk = o.reps(3, 5), (2 if o.quick else 3)
     ratios: dict[str, float | None] = {}
@@ -452,7 +453,7 @@ def run(o: _Options) -> _CaseResult:
         det[f"world{world}"] = entry
     # The Llama-shaped stack at world 1 (many small same-shape matrices: what wave batching is about).
     llama_layers = 2 if o.quick else 6
-    res = _run_ranks(_overlap_llama_rank, 1, llama_layers, 4, 128 if o.quick else 256, rounds, chunk,
+    res = _run_ranks(_overlap_llama_rank, 1, llama_layers, d, 4, 128 if o.quick else 256, rounds, chunk,
                      timeout_s=o.timeout_s)
     med = {n: _median(res[0]["times"][n]) for n in ("none", "off", "on")}
     frac = _ratio(med["on"] - med["none"], med["off"] - med["none"])

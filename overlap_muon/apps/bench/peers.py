@@ -352,7 +352,7 @@ def run(o: _Options) -> _CaseResult:
                            [f"skipped: {why}"], {"skipped": why})
     import torchtitan
 
-    d, heads = 256, 4
+    d, heads = o.side(256), 4
     step_layers, warmup, repeats = (2, 1, o.reps(5, 30)) if o.quick else (12, 2, o.reps(5, 30))
     it_layers, batch, seq = (2, 2, 128) if o.quick else (4, 4, 256)
     rounds, chunk = o.reps(3, 8), (2 if o.quick else 3)

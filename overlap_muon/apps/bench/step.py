@@ -40,7 +40,7 @@ def _step_rank(rank: int, world: int, layers: int, d: int, warmup: int, repeats:
 
 def run(o: _Options) -> _CaseResult:
     layers = 2 if o.quick else 12
-    d, world = 256, 2
+    d, world = o.side(256), 2
     warmup, repeats = (1, o.reps(5, 15))
     res = _run_ranks(_step_rank, world, layers, d, warmup, repeats, timeout_s=o.timeout_s)
     med = {m: _median(_max_over_ranks([r["times"][m] for r in res])) for m in ("layer_sharded", "duplicated")}

@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from . import balance, comm, memory, ns, overhead, overlap, peers, step, surplus
-from .common import _Options, _two_thread_speedup, machine_info, matmul_gflops, slow_bf16
+from .common import _Options, _two_thread_speedup, machine_info, matmul_gflops, quiet_split_log, slow_bf16
 
 __all__ = ["main", "CASES", "CASE_MODULES", "expected_ratio_keys", "machine_info"]
 
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     o = _Options(quick=args.quick, repeats=args.repeats, baseline=not args.no_baseline, trace_dir=args.trace_dir,
                  timeout_s=args.timeout)
+    quiet_split_log()
     info = machine_info()
     info["two_thread_speedup_at_start"] = round(_two_thread_speedup(), 3)
     info["matmul_gflops"] = {k: round(v, 1) for k, v in matmul_gflops().items()}

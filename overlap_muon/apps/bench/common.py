@@ -8,6 +8,8 @@ package's ``__init__`` (which imports the case modules).
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import math
 import os
 import platform
@@ -210,6 +212,19 @@ def _two_thread_speedup(seconds: float = 0.3) -> float:
 # rank never re-executes the driver.
 
 
+def quiet_split_log() -> None:
+    """Keep the library's one-line param split summary out of the bench's report: every optimizer a case builds
+    would print it once per process (the cases name their matrices themselves)."""
+    logger = logging.getLogger("overlap_muon")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.ERROR)
+
+
+def _quiet_rank(fn: Callable[..., Any], rank: int, world: int, *args: Any) -> Any:
+    quiet_split_log()
+    return fn(rank, world, *args)
+
+
 def _run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
 
@@ -217,7 +232,8 @@ def _run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float)
         RuntimeError: a rank raised (its traceback is in the message), died, or the group ran past
             ``timeout_s`` seconds (the ranks still alive are killed).
     """
-    res = spawn_ranks(fn, world, *args, timeout=timeout_s, pg_timeout=max(10.0, timeout_s))
+    res = spawn_ranks(functools.partial(_quiet_rank, fn), world, *args, timeout=timeout_s,
+                      pg_timeout=max(10.0, timeout_s))
     errors = [f"--- rank {r} ---\n{payload}" for r, (ok, payload) in enumerate(res) if not ok]
     if errors:
         raise RuntimeError(f"{fn.__name__} on {world} ranks failed:\n" + "\n".join(errors))

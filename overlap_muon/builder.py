@@ -362,7 +362,7 @@ def qk_clipper(spec: Any, model: nn.Module, p: Placement, comm: CommContext, ran
     try:
         if not isinstance(spec, QKClip):
             raise TypeError(f"qk_clip must be an overlap_muon.QKClip, got {type(spec).__name__}")
-        clipper, errors = QKClipper(spec, model, p.muon, comm.dom_to.tp_rank, group), []
+        clipper, errors = QKClipper(spec, model, p.muon, comm.dom_to, group), []
     except (ValueError, TypeError) as e:
         clipper, errors = None, [str(e)]
     raise_everywhere(errors)

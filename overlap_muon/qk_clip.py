@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .domain import Domain, block
 from .sorting import name_matches
 from .split import QKVSplit
 
@@ -169,7 +170,8 @@ class QKClipper:
         spec: the :class:`QKClip`.
         model: the model (the attention modules are found from the weights' names).
         muon: the optimizer's Muon params (``domain.MuonParam``), for names, shapes and layouts.
-        tp_rank: this rank's TP coordinate (a TP shard of the attention records heads ``[t*h/T, (t+1)*h/T)``).
+        domain: this rank's place in the weight-shard domain (``domain.Domain``): a TP shard of the attention
+            records heads ``[t*h/T, (t+1)*h/T)``, and a plain shard holds the rows ``domain.block`` gives.
         group: the group over which the max is taken (every rank of the stage: TP peers and data-parallel
             ranks), or ``None`` in one process.
 
@@ -177,8 +179,8 @@ class QKClipper:
         ValueError: a malformed spec, patterns matching no Muon weight or weights that do not fit it.
     """
 
-    def __init__(self, spec: QKClip, model: nn.Module, muon: Sequence[Any], tp_rank: int, group: Any) -> None:
-        self.spec, self.group, self.tp_rank = spec, group, tp_rank
+    def __init__(self, spec: QKClip, model: nn.Module, muon: Sequence[Any], domain: Domain, group: Any) -> None:
+        self.spec, self.group, self.domain, self.tp_rank = spec, group, domain, domain.tp_rank
         # the max over every layer and head: the last step's, and the peak so far
         self.last_max_logit = self.peak_max_logit = float("-inf")
         by_name = {m.name: m for m in muon}
@@ -204,9 +206,6 @@ class QKClipper:
                     errors.append(f"qk_clip: Muon param {m.name!r} of shape {m.full_shape} should have {want} rows "
                                   f"({spec.n_heads} heads, {spec.kv_heads} key heads, head_dim {spec.head_dim}) "
                                   "and be an (out, in) linear weight")
-                if not isinstance(m.param, DTensor) and m.partition_dim is not None:
-                    errors.append(f"qk_clip: Muon param {m.name!r} is a plain shard; QK-clip needs DTensor params "
-                                  "or whole matrices")
             if len(owners) != 1:
                 errors.append(f"qk_clip: {[m.name for _, m in layer]} are not in one module (the attention module "
                               "that records the logits)")
@@ -258,6 +257,9 @@ class QKClipper:
                     pl = [Replicate() if isinstance(x, Shard) and x.dim == 1 else x for x in p.placements]
                     f = distribute_tensor(f, p.device_mesh, pl, src_data_rank=None).to_local()
                     p.to_local().mul_(f.to(p.device))
-                else:
-                    p.mul_(f.to(p.device))
+                else:  # a plain block or a whole matrix: this rank's rows of the factor column
+                    d = self.domain
+                    R, T, g, t = (1, 1, 0, 0) if m.replicated else (d.remat_size, d.tp_size, d.remat_rank, d.tp_rank)
+                    row0, rows, _, _ = block(m.full_shape, m.partition_dim, R, T, g, t)
+                    p.mul_(f[row0:row0 + rows].to(p.device))
         return clipped

@@ -143,34 +143,53 @@ def test_bad_spec_is_a_clear_error():
 # ---------------------------------------------------------------------------------------------------------------
 # TP 2 and FSDP 2 x TP 2: synthetic gradients, recorded logits set per rank
 # ---------------------------------------------------------------------------------------------------------------
-def _dist_body(rank, world, tp, h, g, mode):
+_PD = {"q": 0, "k": 0, "v": 0, "o": 1}  # Megatron's layout: column-parallel q, k, v; row-parallel o
+
+
+def _dist_body(rank, world, tp, h, g, mode, plain=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from tests.models import block, explicit_groups
+
     R = world // tp
-    mesh = init_device_mesh("cpu", (R, tp), mesh_dim_names=("remat", "tp"))
-    g_rank, t_rank = mesh.get_local_rank("remat"), mesh.get_local_rank("tp")
+    g_rank, t_rank = divmod(rank, tp)
     torch.manual_seed(0)
     full = Net(h, g)
     ref = copy.deepcopy(full)
     model = copy.deepcopy(full)
-    for layer in model.layers:
-        parallelize_module(layer, mesh["tp"], {"q": ColwiseParallel(), "k": ColwiseParallel(),
-                                               "v": ColwiseParallel(), "o": RowwiseParallel()})
-        if R > 1:
-            fully_shard(layer, mesh=mesh["remat"])
     spec = _spec(3.0, h, g, False)
-    opt = OverlapMuon(model, device_mesh=mesh, qk_clip=spec, adamw_kwargs=ADAMW_KW, **HP, **mode)
+    if plain:  # plain row/column blocks carrying partition_dim, explicit groups
+        for layer in model.layers:
+            for name, pd in _PD.items():
+                w = getattr(layer, name).weight
+                loc = nn.Parameter(block(w.detach(), pd, R, tp, g_rank, t_rank).clone())
+                loc.partition_dim, loc.full_shape = pd, tuple(w.shape)
+                getattr(layer, name).weight = loc
+        tp_group, remat_group = explicit_groups(R, tp, g_rank, t_rank)
+        where = dict(tp_group=tp_group, remat_group=remat_group)
+    else:
+        mesh = init_device_mesh("cpu", (R, tp), mesh_dim_names=("remat", "tp"))
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"q": ColwiseParallel(), "k": ColwiseParallel(),
+                                                   "v": ColwiseParallel(), "o": RowwiseParallel()})
+            if R > 1:
+                fully_shard(layer, mesh=mesh["remat"])
+        where = dict(device_mesh=mesh)
+    opt = OverlapMuon(model, qk_clip=spec, adamw_kwargs=ADAMW_KW, **where, **HP, **mode)
     ref_opts = _torch_opts(ref)
     gen = torch.Generator().manual_seed(2)
     for _ in range(STEPS):
         grads = [torch.randn(p.shape, generator=gen) for p in full.parameters()]
         s_full = [torch.rand(h, generator=gen) * 6.0 for _ in model.layers]  # about half the heads over 3.0
         for p, gr in zip(model.parameters(), grads):
-            p.grad = distribute_tensor(gr, p.device_mesh, p.placements, src_data_rank=None) \
-                if hasattr(p, "device_mesh") else gr.clone()
+            if hasattr(p, "device_mesh"):
+                p.grad = distribute_tensor(gr, p.device_mesh, p.placements, src_data_rank=None)
+            else:
+                p.grad = block(gr, p.partition_dim, R, tp, g_rank, t_rank).clone() if hasattr(p, "partition_dim") \
+                    else gr.clone()
         for layer, s in zip(model.layers, s_full):
             mine = s.view(tp, -1)[t_rank]  # this TP rank's heads
             setattr(layer, ATTR, mine * (1.0 if g_rank == 0 else 0.5))  # the max over DP ranks is rank 0's
@@ -186,7 +205,9 @@ def _dist_body(rank, world, tp, h, g, mode):
                 qk_clip_reference(spec, s, _ref_weights(layer))
     opt.synchronize()
     got = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-    bad = [n for (n, _), a, b in zip(ref.named_parameters(), got, ref.parameters()) if not torch.equal(a, b)]
+    want = [block(q.detach(), p.partition_dim, R, tp, g_rank, t_rank) if hasattr(p, "partition_dim") else q
+            for p, q in zip(model.parameters(), ref.parameters())]  # a plain shard: its block of the reference
+    bad = [n for (n, _), a, b in zip(ref.named_parameters(), got, want) if not torch.equal(a, b)]
     clipped = opt.stats["qk_clipped_heads"]
     opt.close()
     return bad, clipped
@@ -197,5 +218,14 @@ def _dist_body(rank, world, tp, h, g, mode):
 @pytest.mark.parametrize("world,tp,h,g", [(2, 2, 4, 2), (4, 2, 4, 4)], ids=["tp2_gqa", "fsdp2xtp2_mha"])
 def test_distributed_bitwise(world, tp, h, g, mode):
     for bad, clipped in run_ranks(_dist_body, world, tp, h, g, mode, timeout=180):
+        assert bad == [], bad
+        assert 0 < clipped < STEPS * 2 * h
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world,tp,h,g", [(2, 2, 4, 2), (4, 2, 4, 4)], ids=["tp2_gqa", "remat2xtp2_mha"])
+def test_plain_shards_bitwise(world, tp, h, g):
+    """Megatron-style plain blocks with ``partition_dim`` and explicit groups: each rank scales its own rows."""
+    for bad, clipped in run_ranks(_dist_body, world, tp, h, g, {}, True, timeout=180):
         assert bad == [], bad
         assert 0 < clipped < STEPS * 2 * h

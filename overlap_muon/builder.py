@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checks import differs_across_ranks, option_errors, raise_everywhere
-from .comm import CommContext, build_comm, stage_group
+from .comm import CommContext, build_comm, stage_group, stage_replicas
 from .config import OverlapMuonConfig
 from .discovery import discover_expert_layouts, discover_layouts, discover_stages, mesh_dims, my_coords
 from .domain import MuonParam
@@ -223,9 +223,6 @@ def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter
     stage_errors, experts_anywhere = _layout_errors(muon_named, expert_ids, expert_layout, len(adamw_named), stages)
     errors += described + stage_errors
     errors += option_errors(config)
-    if stages is not None and len(stages) > 1 and config.dp_slots:
-        errors.append("dp_slots with several pipeline stages is not supported yet: turn it off "
-                      "(OVERLAP_MUON_DP_SLOTS=0)")
     errors += _split_errors(split, muon)
     if max_grad_norm is not None and (R * T > 1 or multi and expert_ids) and any(
             not isinstance(x.param, DTensor) for x in muon):
@@ -338,8 +335,8 @@ _SPLIT_SHOWN: list[bool] = []  # the one-line split summary was shown in this pr
 def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommContext:
     """Every process group of the runtime (``comm.build_comm``; collective over the default group)."""
     distributed = p.layouts is not None and dist.get_world_size() > 1
-    dp_on = (distributed and len(p.layouts) > 1 and config.dp_slots and config.mode == "layer_sharded"
-             and not (p.stages and len(p.stages) > 1))
+    dp_on = (distributed and config.dp_slots and config.mode == "layer_sharded"
+             and any(len(part) > 1 for part in stage_replicas(p.layouts, p.stages)))
     if dp_on and config.surplus != "idle":
         warn_user(f"OverlapMuon: surplus={config.surplus!r} is not combined with DP slots yet; the waves "
                       "run as surplus='idle' (the replicas still share the NS work)")

@@ -18,7 +18,8 @@ from torch.distributed import ProcessGroup
 
 from .domain import Domain
 
-__all__ = ["CommContext", "build_comm", "domain_from_layouts", "domain_group", "DPSlots", "dp_slot_groups"]
+__all__ = ["CommContext", "build_comm", "domain_from_layouts", "domain_group", "DPSlots", "dp_slot_groups",
+           "stage_replicas"]
 
 
 def domain_from_layouts(
@@ -128,20 +129,35 @@ class DPSlots:
     group: dist.ProcessGroup  #: the D ranks at this rank's position in every replica
 
 
-def dp_slot_groups(layouts: list[list[list[int]]], rank: int, timeout: Any) -> tuple[DPSlots, dist.ProcessGroup]:
-    """This rank's :class:`DPSlots` for the replicas ``layouts`` (one ``R x T`` grid each, identical on every
-    rank), and a gloo group over every replica's ranks for the per-wave presence agreement. Collective over the
-    default group: every rank creates every group, in one order."""
+def stage_replicas(layouts: list[list[list[int]]], stages: list[list[int]] | None) -> list[list[list[int]]]:
+    """The replicas of each pipeline stage: per stage, the flat rank lists of the domains inside it (every domain
+    of the job is one stage's replica without stages). Replicas hold the same params only within a stage."""
     flats = [[r for row in lay for r in row] for lay in layouts]
-    mine = next(d for d, f in enumerate(flats) if rank in f)
-    pos = flats[mine].index(rank)
-    cols = [[f[p] for f in flats] for p in range(len(flats[0]))]
-    if any(c != sorted(c) for c in cols):  # group rank r must be replica r (the DP swap's split order)
-        raise ValueError(f"dp_slots: the replicas' ranks {flats} do not increase with the replica index at every "
-                         "position; put the replicate dim outside the domain's dims in the mesh")
-    groups = [dist.new_group(ranks=c, timeout=timeout) for c in cols]
-    wide = dist.new_group(ranks=sorted(r for f in flats for r in f), backend="gloo", timeout=timeout)
-    return DPSlots(len(flats), mine, groups[pos]), wide
+    if not stages or len(stages) == 1:
+        return [flats]
+    return [[f for f in flats if set(f) <= set(s)] for s in stages]
+
+
+def dp_slot_groups(layouts: list[list[list[int]]], rank: int, timeout: Any,
+                   stages: list[list[int]] | None = None) -> tuple[DPSlots | None, dist.ProcessGroup | None]:
+    """This rank's :class:`DPSlots` for the replicas of its pipeline stage (:func:`stage_replicas`; ``layouts``:
+    one ``R x T`` grid each, identical on every rank), and a gloo group over every replica's ranks of the stage for
+    the per-wave presence agreement; ``(None, None)`` in a stage with one replica. Collective over the default
+    group: every rank creates every stage's groups, in stage order."""
+    out: tuple[DPSlots | None, dist.ProcessGroup | None] = (None, None)
+    for flats in stage_replicas(layouts, stages):
+        if len(flats) < 2:
+            continue
+        cols = [[f[p] for f in flats] for p in range(len(flats[0]))]
+        if any(c != sorted(c) for c in cols):  # group rank r must be replica r (the DP swap's split order)
+            raise ValueError(f"dp_slots: the replicas' ranks {flats} do not increase with the replica index at "
+                             "every position; put the replicate dim outside the domain's dims in the mesh")
+        groups = [dist.new_group(ranks=c, timeout=timeout) for c in cols]
+        wide = dist.new_group(ranks=sorted(r for f in flats for r in f), backend="gloo", timeout=timeout)
+        mine = next((d for d, f in enumerate(flats) if rank in f), None)
+        if mine is not None:
+            out = (DPSlots(len(flats), mine, groups[flats[mine].index(rank)]), wide)
+    return out
 
 
 @dataclass(frozen=True)
@@ -187,7 +203,7 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
         rank: this rank.
         timeout_s: timeout of every group, seconds.
         team: make the team group (``surplus="team"|"auto"``, no DP slots).
-        dp_slots: make the DP-slot groups (the replicas share the dense domain's NS work).
+        dp_slots: make the DP-slot groups (the replicas of a stage share the dense domain's NS work).
         experts: make the expert domain's groups.
         stages: every pipeline stage's ranks ([Note: pipeline stages] in ``discovery.py``); ``step()``'s agreement
             group is this rank's stage (``None`` or one stage: every rank).
@@ -201,8 +217,9 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
     team_group = domain_group(layouts, timeout, backend=None) if distributed and team else None
     dp = None
     if distributed and dp_slots:
-        dp, wide = dp_slot_groups(layouts, rank, timeout)
-        dom_to = dataclasses.replace(dom_to, ctrl_group=wide)  # presence is agreed over every replica
+        dp, wide = dp_slot_groups(layouts, rank, timeout, stages)
+        if wide is not None:
+            dom_to = dataclasses.replace(dom_to, ctrl_group=wide)  # presence is agreed over every replica
     expert = None
     if experts_on:
         expert = (domain_from_layouts(elayouts, timeout=timeout),

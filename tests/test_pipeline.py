@@ -55,13 +55,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _pp_body(rank, world, schedule_name, overlap, tp):
+def _pp_body(rank, world, schedule_name, overlap, tp, dp=1):
+    """``dp > 1``: that many data-parallel replicas of every stage (the same batches, so the same gradients) with
+    DP slots on: the replicas of a stage share its NS work."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, schedules
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    pp = world // tp
-    mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
+    pp = world // (tp * dp)
+    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp_replicate", "tp"))
     pp_rank = mesh.get_local_rank("pp")
     per_rank = 2 if schedule_name == "Interleaved1F1B" else 1
     n_stages = pp * per_rank
@@ -76,7 +78,7 @@ def _pp_body(rank, world, schedule_name, overlap, tp):
                 parallelize_module(blk, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         stage = PipelineStage(mod, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
         opt = OverlapMuon(mod, device_mesh=mesh, remat_dim=None, tp_dim="tp", adamw_kwargs=ADAMW_KW, **HP,
-                          overlap=overlap)
+                          overlap=overlap, dp_slots=dp > 1)
         opt.attach_pipeline_stage(stage)
         stages.append(stage)
         opts.append(opt)
@@ -117,15 +119,16 @@ def _pp_body(rank, world, schedule_name, overlap, tp):
     return bad, ns, matrices, launched_in_schedule, reruns
 
 
-def _check(out, tp, overlap):
+def _check(out, tp, overlap, dp=1):
     per_stage: dict[int, list] = {}
     for rank, (bad, ns, matrices, launched, reruns) in enumerate(out):
         assert bad == [], bad[:4]
         assert reruns == 0
         assert (launched > 0) == overlap, launched  # overlap: launched inside schedule.step(), not in step()
-        per_stage.setdefault(rank // tp, []).append((ns, matrices))
-    for rows in per_stage.values():  # NS once per matrix per step: summed over the stage's TP ranks
+        per_stage.setdefault(rank // (tp * dp), []).append((ns, matrices))
+    for rows in per_stage.values():  # NS once per matrix per step: summed over the stage's TP ranks and replicas
         assert sum(n for n, _ in rows) == STEPS * rows[0][1], rows
+        assert all(n > 0 for n, _ in rows), rows  # with DP slots every replica takes a share
 
 
 @pytest.mark.timeout(300)
@@ -139,6 +142,14 @@ def test_two_stages_each_its_own_optimizer(schedule_name, overlap):
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_two_stages_times_tp2(overlap):
     _check(run_ranks(_pp_body, 4, "1F1B", overlap, 2, timeout=350), 2, overlap)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_two_stages_times_dp2_share_the_ns(overlap):
+    """2 stages x 2 data-parallel replicas with DP slots: each stage's replicas split its NS work between them
+    (the replicas of one stage only), bitwise per stage."""
+    _check(run_ranks(_pp_body, 4, "1F1B", overlap, 1, 2, timeout=350), 1, overlap, dp=2)
 
 
 def _refused_without_pp_body(rank, world):

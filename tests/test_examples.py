@@ -43,6 +43,25 @@ def test_hf_trainer_example(ranks):
         out.stdout + out.stderr[-3000:]
 
 
+_TESTED = {"examples/one_process.py", "examples/fsdp_tp.py", "examples/hf_trainer.py"}  # run by the tests above
+
+
+@pytest.mark.timeout(400)
+def test_readme_commands_are_the_tested_ones():
+    """The README's shell lines: each example it runs is one the tests above run, and the main job's torchrun line
+    runs as written, shortened to 3 steps with ``--verify`` (bitwise against torch.optim.Muon + AdamW)."""
+    readme = (ROOT / "README.md").read_text()
+    lines = [ln.split("#")[0].strip() for b in re.findall(r"^```bash\n(.*?)^```", readme, flags=re.M | re.S)
+             for ln in b.splitlines()]
+    examples = {w for ln in lines for w in ln.split() if w.startswith("examples/")}
+    assert examples and examples <= _TESTED, examples - _TESTED
+    jobs = sorted({ln[ln.index("torchrun "):] for ln in lines if "-m overlap_muon.apps.train" in ln})
+    assert len(jobs) == 1, jobs  # the opening chain ends with the step-by-step block's command
+    argv = [sys.executable, "-m", "torch.distributed.run", *jobs[0].split()[1:], "--steps", "3", "--verify"]
+    out = _run(argv, timeout=360)
+    assert out.returncode == 0 and "verify: bitwise equal" in out.stdout + out.stderr, out.stdout + out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("doc, heading", [("README.md", None), ("docs/usage.md", "With Hugging Face")])
 def test_doc_code_is_copied_from_the_examples(doc, heading):
     """Every python block of the README, and of the usage guide's Hugging Face section, appears line for line in one

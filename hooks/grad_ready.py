@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-__all__ = ["GradReadyTracker", "ddp_readiness_hook"]
+__all__ = ["GradReadyTracker", "ddp_readiness_hook", "attach_ddp_readiness"]
 
 
 class GradReadyTracker:
@@ -130,6 +130,9 @@ class _DDPReadinessState:
     on_ready: Callable[[list[int]], None]
     param_index: dict[int, int]
     process_group: dist.ProcessGroup | None
+    user_hook: Callable | None = None
+    """The user's own comm hook, registered after ours (:func:`attach_ddp_readiness`); it reduces instead of ours."""
+    user_state: object = None
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -153,19 +156,60 @@ def _ddp_readiness_comm_hook(
         idx = state.param_index.get(id(p))
         if idx is not None:
             watched.append((p, idx))
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    # Average as DDP's default allreduce_hook does: divide first (no overflow in low precision), then sum.
-    buf.div_(dist.get_world_size(group))
-    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    if state.user_hook is not None:
+        fut = state.user_hook(state.user_state, bucket)
+    else:
+        group = state.process_group if state.process_group is not None else dist.group.WORLD
+        # Average as DDP's default allreduce_hook does: divide first (no overflow in low precision), then sum.
+        buf.div_(dist.get_world_size(group))
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 
     def _done(f: torch.futures.Future) -> torch.Tensor:
-        out = f.value()[0]
-        ready = [idx for p, idx in watched if p.grad is not None]
+        value = f.value()
+        out = value[0] if isinstance(value, (list, tuple)) else value
+        # A result in the bucket itself is in .grad now; any other one DDP copies there at the end of backward,
+        # so those params are left to the step (WaveDispatcher.flush).
+        ready = [idx for p, idx in watched if p.grad is not None] if _shares_storage(out, buf) else []
         if ready:
             state.on_ready(ready)
         return out
 
     return fut.then(_done)
+
+
+def attach_ddp_readiness(ddp_model: torch.nn.Module, on_ready: Callable[[list[int]], None],
+                         param_index: dict[int, int]) -> bool:
+    """Register :func:`ddp_readiness_hook` on ``ddp_model`` and chain the comm hook the user registers after it.
+
+    DDP's reducer takes one comm hook per model. Ours goes in, and ``ddp_model.register_comm_hook`` (on the
+    instance) then routes the user's ``(hook_state, hook)`` into it: our hook calls the user's hook instead of its
+    own all-reduce, and reports the bucket's params once the user's future has completed (a second user hook
+    raises DDP's own ``RuntimeError``). Called again on the same model (the optimizer re-bound to replaced
+    params), the registered hook is pointed at the new ``on_ready`` and ``param_index``.
+
+    Returns:
+        False when the model already has another comm hook (registered before ours; then nothing is changed).
+    """
+    prior = getattr(ddp_model.__dict__.get("register_comm_hook"), "readiness", None)
+    if prior is not None:
+        prior.on_ready, prior.param_index = on_ready, dict(param_index)
+        return True
+    state, hook = ddp_readiness_hook(on_ready, param_index, process_group=ddp_model.process_group)
+    try:
+        ddp_model.register_comm_hook(state, hook)
+    except RuntimeError as e:
+        if "once" not in str(e):
+            raise
+        return False
+
+    def register_comm_hook(hook_state: object, hook: Callable) -> None:
+        if state.user_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        state.user_state, state.user_hook = hook_state, hook
+
+    register_comm_hook.readiness = state  # type: ignore[attr-defined]
+    ddp_model.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
+    return True
 
 
 def ddp_readiness_hook(

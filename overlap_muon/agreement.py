@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .domain import MuonParam
-from .wave_state import Hyper, WaveState, versions, wait_handle
+from .reads import Hyper
+from .wave_state import WaveState, wait_handle
 
 __all__ = ["Agreement", "max_everywhere"]
 
@@ -30,6 +31,7 @@ class Agreement:
     ``_expert_ctrl``, ``_doms``, ``_lock``, ``_applied``, ``_agreed``, ``_adamw_elsewhere`` and ``discard``)."""
 
     muon: list[MuonParam]
+    state: Any
     adamw_params: list[Tensor]
     ctrl_group: Any
     _expert_ctrl: Any
@@ -37,17 +39,26 @@ class Agreement:
     _adamw_elsewhere: set[int]
 
     def stale(self, st: WaveState, hyper: Hyper) -> bool:
-        """Would the wave compute something else if launched now? (host-side checks only)."""
-        if st.hyper != hyper:
-            return True
+        """Would the wave compute something else if launched now? Its params with a gradient, then what its pack
+        read ([Note: a wave's reads] in ``reads.py``). Host-side only."""
         items = [i for i in st.wave.params if self.muon[i].param.grad is not None]
         if items != st.items:
             return True
-        for j, i in enumerate(items):
-            g = self.muon[i].param.grad
-            if g is not st.grads[j] or versions(g) != st.versions[j]:
-                return True
-        return False
+        return bool(items) and not st.reads.unchanged(self.state, hyper, [self.muon[i] for i in items])
+
+    def _stale_flags(self, waves: list[Any], pending: dict[int, WaveState], hyper: Hyper, validate: bool
+                     ) -> list[int]:
+        """Per wave of the plan, 1 when ``commit`` must launch it again: it is not pending (discarded after backward
+        launched it: ``load_state_dict``), or (``validate``) it is stale; agreed over the ranks (any rank's flag)."""
+        if validate:
+            for st in pending.values():
+                if st.h_pack is not None:
+                    st.h_pack.settle()  # the pack records the reads
+        stale = [1 if w.index not in pending or validate and self.stale(pending[w.index], hyper) else 0 for w in waves]
+        if self.ctrl_group is not None and not self._agreed:
+            stale = self._agree_step(stale, pending)
+        self._agreed = False
+        return stale
 
     def adamw_elsewhere(self) -> set[int]:
         """``id``s of the AdamW params that had a gradient on another rank and not on this one at the last step's

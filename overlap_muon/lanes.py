@@ -60,6 +60,12 @@ class LaneHandle:
             return self.future.result()
         return self.value
 
+    def settle(self) -> None:
+        """Block until the task's host side has finished, without raising its error (CPU: its future; CUDA and
+        inline tasks ran at submit)."""
+        if self.future is not None:
+            cf.wait([self.future])
+
     def done(self) -> bool:
         if self.future is not None:
             return self.future.done()

@@ -172,9 +172,10 @@ class OverlapMuon(torch.optim.Optimizer):
         self._bound = self._binding(model)
 
     def _binding(self, model: nn.Module) -> tuple:
-        """What :meth:`_follow_params` compares: the ids of the model's and the groups' params, and the device."""
+        """What :meth:`_follow_params` compares: the ids of the model's params (a set: pruning re-registers a weight
+        under another name, the same tensor), of the groups' params, and the device."""
         params = list(model.parameters())
-        return ([id(p) for p in params], [[id(p) for p in g["params"]] for g in self.param_groups],
+        return (frozenset(id(p) for p in params), [[id(p) for p in g["params"]] for g in self.param_groups],
                 params[0].device if params else None)
 
     def _follow_params(self) -> None:
@@ -210,10 +211,10 @@ class OverlapMuon(torch.optim.Optimizer):
         if all(mesh[k] is None for k in ("device_mesh", "tp_group", "remat_group")):
             mesh["device_mesh"] = builder.dtensor_mesh(lists[0])
         placed = builder.place(model, self.config, self._rank, **dict(self._recipe, mesh=mesh))
-        errors = builder.rebind_errors(self.state, moved, lists, placed)
+        errors = builder.rebind_errors(self._state, moved, lists, placed)
         if errors:
             raise ValueError(f"OverlapMuon: the params were replaced, but {'; '.join(errors[:4])}")
-        builder.move_state(self.state, moved)
+        builder.move_state(self._state, moved)
         for group, params in zip(self.param_groups, lists):
             group["params"] = params
         self._finalizer()
@@ -248,10 +249,43 @@ class OverlapMuon(torch.optim.Optimizer):
     def _link_adamw(self) -> None:
         """Share state and param groups with the inner AdamW and the pipeline (``load_state_dict`` replaces them)."""
         if getattr(self, "_rt", None) is not None:
-            self._rt.pipeline.state = self.state
+            self._rt.pipeline.state = self._state
         if self._adamw is not None:
-            self._adamw.state = self.state
+            self._adamw.state = self._state
             self._adamw.param_groups = self.param_groups[1:]
+
+    @property
+    def state(self) -> Any:
+        """The optimizer state, ``torch.optim.Optimizer.state``: ``state[param]`` holds ``"momentum_buffer"`` (Muon,
+        sharded as its param) or AdamW's ``"step"``, ``"exp_avg"``, ``"exp_avg_sq"``. It may be edited, cleared or
+        replaced (``opt.state = defaultdict(dict)``) between steps or between backward and ``step()``, as with
+        torch's optimizers: the next step uses what it holds then ([Note: a wave's reads] in ``reads.py``). With
+        ``async_step``, reading or setting it first waits for the last step's updates (CPU: the host waits; CUDA:
+        the current stream), so that an edit lands after them, as it would after torch's ``step()``."""
+        self._await_updates()
+        return self.__dict__["_state"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._await_updates()
+        self.__dict__["_state"] = value
+        if "_rt" in self.__dict__:  # built (torch's __init__ sets it first)
+            self._link_adamw()
+
+    _state = property(lambda self: self.__dict__["_state"])  # the mapping, without the wait (the library's reads)
+
+    def _await_updates(self) -> None:
+        rt = self.__dict__.get("_rt")
+        if rt is not None and rt.async_step:
+            rt.pipeline.wait([w.index for w in rt.waves])
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """``Optimizer.__setstate__`` (``load_state_dict`` calls it), with the state mapping set through
+        :attr:`state`, which the runtime and the inner AdamW share."""
+        rest = {k: v for k, v in state.items() if k != "state"}
+        super().__setstate__(rest)
+        if "state" in state:
+            self.state = state["state"]
 
     def _sync_hook(self, *_: Any) -> None:
         self.synchronize()
@@ -312,10 +346,11 @@ class OverlapMuon(torch.optim.Optimizer):
                 f"OverlapMuon: {reruns} of {len(self._rt.waves)} waves were re-run in step() because their inputs "
                 "changed after backward launched them (gradients edited in place, e.g. clipping, unscaling or a "
                 "collective, DDP averaging without attach_ddp, a changed momentum/NS setting, or optimizer state "
-                "loaded between backward and step). The result is exact; the overlap of those waves is lost.")
+                "edited or loaded between backward and step). The result is exact; the overlap of those waves is "
+                "lost.")
         if self._adamw is not None and ok:
             self._adamw.step()
-            init_adamw_state(self.param_groups[1:], self.state, self._rt.pipeline.adamw_elsewhere())
+            init_adamw_state(self.param_groups[1:], self._state, self._rt.pipeline.adamw_elsewhere())
 
     def synchronize(self) -> None:
         """Block until every committed wave has been applied (host waits; on CUDA the device too).
@@ -391,14 +426,17 @@ class OverlapMuon(torch.optim.Optimizer):
         if self._adamw is not None:
             # What AdamW.load_state_dict does after loading (it calls its __setstate__): a plain-number ``step``
             # of an older checkpoint becomes the singleton tensor its step() requires, group flags get defaults.
-            self._adamw.__setstate__({"state": self.state, "param_groups": self.param_groups[1:]})
+            self._adamw.__setstate__({"state": self._state, "param_groups": self.param_groups[1:]})
 
     def attach_ddp(self, ddp_model: nn.Module) -> None:
         """Take gradient readiness from a DDP comm hook instead of the per-param hooks.
 
         Under DDP a per-param hook sees the local, un-averaged gradient; the comm hook signals a bucket's params
         once its all-reduce has completed, so waves read DDP's averaged gradients. Requires
-        ``DistributedDataParallel(..., gradient_as_bucket_view=True)`` (see ``hooks.ddp_readiness_hook``).
+        ``DistributedDataParallel(..., gradient_as_bucket_view=True)`` (see ``hooks.ddp_readiness_hook``). A comm
+        hook the user registers afterwards (``fp16_compress_hook``, PowerSGD) is chained: it reduces instead of the
+        default all-reduce (``hooks.attach_ddp_readiness``). One registered before leaves DDP no room for ours:
+        the waves then launch in ``step()`` (exact, no overlap) and a warning says so.
         Without it the per-param hooks still give exact results (``step()`` sees DDP's in-place averaging and
         re-runs those waves) but nothing overlaps. Called by the constructor when given a DDP model.
 

@@ -6,19 +6,20 @@
 1. Backward accumulates ``w.grad``; the grad-ready hook (``hooks.GradReadyTracker``) tells the optimizer, whose
    ``WaveDispatcher`` calls :meth:`WavePipeline.launch` for ``W``'s wave ``k`` once every matrix of the wave is
    ready (strictly in wave order on every rank: docs/design.md, invariant 2).
-2. ``launch`` builds a :class:`WaveState` (the gradients it reads, their version counters, the hyper-parameters)
-   and queues four lane tasks (``lanes.py``): ``pack`` (agree on gradient presence; new momentum, Nesterov, bf16
-   cast: the wave's only reads of ``.grad``), ``to_home`` (the wave's exchange, ``exchanges.py``, to the ranks
-   that orthogonalize each matrix), ``compute`` (NS) and ``from_home`` (the exchange back: this rank's block of
-   every ``O``). The exchange kind is the wave's frozen plan's (``scheduler/kinds.py``). Nothing the user can see
-   changes: the wave is *speculative*.
-3. ``step()`` calls :meth:`WavePipeline.commit`: a wave whose gradients were edited in place since launch
-   (the tensors' ``_version`` counters moved), whose set of gradients changed, or whose momentum/NS
-   hyper-parameters changed is *stale*; the ranks agree on the stale set and on gradient presence
-   (``agreement.py``) and re-launch those waves. Then one ``apply`` task per wave, after every wave's scatter (a
-   step applies whole or not at all), commits the momentum and applies weight decay and the update with the
-   ``lr`` and ``weight_decay`` of that ``step()`` call, each element rounded as ``torch.optim.Muon``'s ``add_``
-   rounds it in the full matrix ([Note: the apply follows torch's kernel path] in ``muon_math.py``).
+2. ``launch`` builds a :class:`WaveState` (the gradients it reads, the hyper-parameters, the record of its inputs)
+   and queues four lane tasks (``lanes.py``): ``pack`` (agree on gradient presence; record the reads; new
+   momentum, Nesterov, bf16 cast: the wave's only reads of ``.grad``), ``to_home`` (the wave's exchange,
+   ``exchanges.py``, to the ranks that orthogonalize each matrix), ``compute`` (NS) and ``from_home`` (the
+   exchange back: this rank's block of every ``O``). The exchange kind is the wave's frozen plan's
+   (``scheduler/kinds.py``). Nothing the user can see changes: the wave is *speculative*.
+3. ``step()`` calls :meth:`WavePipeline.commit`: a wave is *stale* when its set of gradients changed, or when
+   anything it read changed since (a gradient edited in place or replaced, the state mapping, a state entry
+   or momentum buffer replaced or edited, a momentum/NS hyper-parameter: [Note: a wave's reads] in ``reads.py``);
+   the ranks agree on the stale set and on gradient presence (``agreement.py``) and re-launch those waves. Then
+   one ``apply`` task per wave, after every wave's scatter (a step applies whole or not at all), commits the
+   momentum and applies weight decay and the update with the ``lr`` and ``weight_decay`` of that ``step()`` call,
+   each element rounded as ``torch.optim.Muon``'s ``add_`` rounds it in the full matrix ([Note: the apply follows
+   torch's kernel path] in ``muon_math.py``).
 4. ``step()`` waits for the applies before it returns ([Note: the step barrier] in ``runtime.py``; CUDA: a
    stream wait), or with ``async_step`` the next forward's pre-hook for ``W``'s module does
    (``forward_waits.py``). Then the wave's state is released (:meth:`WavePipeline.reap`).
@@ -54,9 +55,10 @@ from .exchanges import Exchange, ExchangeContext, Leg, Local, build_exchange, ru
 from .muon_math import CommitAtApply, CommitAtPack, KeepForApply, apply_update, ns_input
 from .ns import zeropower_each
 from .profiling import prof_range, wave_range_name
-from .state import committed_momentum, create_momentum
+from .reads import Hyper, Reads
+from .state import create_momentum
 from .team_ns import team_norms, team_zeropower_blocks
-from .wave_state import EarlyRelease, Hyper, LateRelease, WaveState, versions, wait_handle
+from .wave_state import EarlyRelease, LateRelease, WaveState, wait_handle
 
 __all__ = ["WavePipeline", "WaveState", "Hyper"]
 
@@ -145,7 +147,8 @@ class WavePipeline(Agreement):
         items = [i for i in wave.params if self.muon[i].param.grad is not None]
         grads = [self.muon[i].param.grad for i in items]
         how = CommitAtPack() if committed else KeepForApply() if self.keep_momentum else CommitAtApply()
-        st = WaveState(wave, items, hyper, grads, [versions(g) for g in grads], momentum=how)
+        reads = Reads(hyper, self.state, [self.muon[i] for i in items], grads)
+        st = WaveState(wave, items, hyper, grads, reads=reads, momentum=how)
         if committed:
             create_momentum(self.state, [self.muon[i] for i in items])
         self.stats["waves_launched"] += 1
@@ -195,8 +198,7 @@ class WavePipeline(Agreement):
         """The NS input of each item (bf16 shards; ``None`` where ``skip``: another replica computes it). The new
         momentum is made as the wave's commit policy says (``st.momentum``: out of place, kept, or in place)."""
         h = st.hyper
-        grads = [m.local(g) for m, g in zip(mps, st.grads)]
-        bufs = [committed_momentum(self.state, m, g) for m, g in zip(mps, grads)]
+        grads, bufs = st.reads.read(self.state, mps)  # [Note: a wave's reads] in reads.py
         news = st.momentum.pack(bufs, grads, h.momentum)
         return [None if s else ns_input(g, n, h.momentum, h.nesterov) for s, n, g in zip(skip, news, grads)]
 
@@ -236,7 +238,7 @@ class WavePipeline(Agreement):
             with prof_range(wave_range_name(st.wave.index, "apply"), nvtx=self.config.nvtx):
                 for j, i in enumerate(st.items):
                     m = self.muon[i]
-                    buf = m.local(self.state[m.param]["momentum_buffer"])
+                    buf = m.local(st.bufs[j])
                     st.momentum.commit(j, buf, m.local(st.grads[j]), st.hyper.momentum)
                     p, u = m.local(m.param), st.updates[j]
                     if m.transposed:  # apply to the (out, in) matrix torch's nn.Linear reference updates
@@ -292,35 +294,38 @@ class WavePipeline(Agreement):
             self._agreed = False
             self.discard()
             return 0
-        reruns = 0
         hyper = Hyper.of(group)
-        # A wave not pending was discarded after backward launched it (load_state_dict): launch it again.
-        stale = [1 if w.index not in pending or validate and self.stale(pending[w.index], hyper) else 0 for w in waves]
-        if self.ctrl_group is not None and not self._agreed:
-            stale = self._agree_step(stale, pending)
-        self._agreed = False
+        stale = self._stale_flags(waves, pending, hyper, validate)
         create_momentum(self.state, self.muon)
+        reruns = 0
         for w, f in zip(waves, stale):
             if f:
                 pending[w.index] = self.launch(w, hyper)
                 reruns += 1
         self.stats["reruns"] += reruns
+        self._queue_applies(pending, group)
+        return reruns
+
+    def _queue_applies(self, pending: dict[int, WaveState], group: dict[str, Any]) -> None:
+        """One apply per wave, with ``group``'s ``lr``, ``weight_decay`` and ``adjust_lr_fn`` of now, into the
+        momentum buffers the state holds now. Every apply waits for every wave's scatter: a wave that failed (a dead
+        peer, bad input found on a lane) fails them all, so a step is applied whole or not at all. (The from_home
+        lane is FIFO in wave order, so this delays no apply: the last wave's, which the next forward needs first,
+        ran last anyway.)"""
         lr = group["lr"]
-        lr = lr.clone() if isinstance(lr, Tensor) else lr  # a scheduler may fill it before the apply runs
+        if isinstance(lr, Tensor):  # as torch.optim's _to_scalar: a 1-element tensor of any shape acts as 0-d;
+            lr = lr.reshape(()).clone()  # cloned: a scheduler may fill it before the apply runs
         wd, adj = group["weight_decay"], group["adjust_lr_fn"]
-        # Every apply waits for every wave's scatter: a wave that failed (a dead peer, bad input found on a lane)
-        # fails them all, so a step is applied whole or not at all. (The from_home lane is FIFO in wave order, so
-        # this delays no apply: the last wave's, which the next forward needs first, ran last anyway.)
         scattered = [st.h_from for st in pending.values() if st.h_from is not None]
         with self._lock:
             for k in sorted(pending):
                 st = pending[k]
-                deps = scattered
-                st.h_apply = self.lanes.submit("from_home", lambda st=st: self._apply_task(st, lr, wd, adj), deps=deps)
+                st.bufs = [self.state[self.muon[i].param]["momentum_buffer"] for i in st.items]
+                st.h_apply = self.lanes.submit("from_home", lambda st=st: self._apply_task(st, lr, wd, adj),
+                                               deps=scattered)
                 st.committed = True
                 self._pending.pop(k, None)
                 self._applied[k] = st
-        return reruns
 
     def discard(self) -> None:
         """Forget every uncommitted wave (``zero_grad()``, a new backward before ``step()``, a skipped step).

@@ -22,10 +22,11 @@ from .clip import clip_grads_by_total_norm_
 from .comm import CommContext
 from .domain import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
-from .hooks import GradReadyTracker, ddp_readiness_hook, watch_stage, weak_callback
+from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
+from .messages import warn_user
 from .pipeline import WavePipeline
 from .scheduler import ReadinessRecorder, WaveDispatcher
-from .wave_state import Hyper
+from .reads import Hyper
 
 __all__ = ["Runtime", "StepPhase"]
 
@@ -72,7 +73,7 @@ class Runtime:
 
     def __init__(self, opt: Any, comm: CommContext, ns_steps: int) -> None:
         ref = weakref.ref(opt)
-        muon, config, stats, state = opt._muon, opt.config, opt.stats, opt.state
+        muon, config, stats, state = opt._muon, opt.config, opt.stats, opt._state
         adamw_params = [p for g in opt.param_groups[1:] for p in g["params"]]
         self.muon, self.config, self._group = muon, config, lambda: ref().param_groups[0]
         device = local_tensor(muon[0].param).device if muon else torch.device("cpu")
@@ -113,7 +114,10 @@ class Runtime:
             self.handles.append(self.tracker)
             if self.async_step:  # [Note: the step barrier]: only the asynchronous step needs forward waits
                 self.waits = ForwardWaits(model, self.muon, self.index, self.pipeline, self.handles)
-        self.handles.append(model.register_state_dict_pre_hook(sync_hook))
+        # A submodule's state_dict() runs its own pre-hooks only: hook each module that holds a Muon param.
+        mine = {id(m.param) for m in self.muon}
+        self.handles += [mod.register_state_dict_pre_hook(sync_hook) for mod in model.modules()
+                         if mod is model or any(id(p) in mine for p in mod.parameters(recurse=False))]
         self.fsdp_roots = builder.fsdp_roots(model)
         if self.config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
             dtensors = [m.param for m in self.muon if isinstance(m.param, DTensor)]
@@ -124,13 +128,14 @@ class Runtime:
         """Readiness from DDP's comm hook instead of the per-param hooks (``OverlapMuon.attach_ddp``)."""
         if not self.config.overlap or not self.muon:
             return
-        if self.tracker is not None:
+        if self.tracker is not None:  # per-param hooks would read the gradients before DDP's reduction
             self.tracker.remove()
             self.tracker = None
         on_ready = weak_callback(self.on_ready)
-        state, hook = ddp_readiness_hook(lambda idx: [on_ready(i) for i in idx], dict(self.index.first),
-                                         process_group=ddp_model.process_group)
-        ddp_model.register_comm_hook(state, hook)
+        if not attach_ddp_readiness(ddp_model, lambda idx: [on_ready(i) for i in idx], dict(self.index.first)):
+            warn_user("OverlapMuon: this DDP model already has a comm hook (DDP takes one), so the waves launch in "
+                      "step() and nothing overlaps; register your comm hook after OverlapMuon(ddp_model), which "
+                      "chains it, to keep the overlap")
 
     def attach_pipeline_stage(self, stage: Any) -> None:
         """Readiness from a pipelining stage, once its gradients are final ([Note: pipeline readiness] in
@@ -207,6 +212,7 @@ class Runtime:
         if self.recorder is not None and self.recorder.recorded:
             self._adopt_observed_order()
         self.dispatcher.reset()
+        version_fix.forget_completed()  # the user's collectives of this step hold its gradients
         if self.waits is None:
             self.barrier()
             return

@@ -14,6 +14,9 @@ in neural networks" (2024), which says Muon is meant for the hidden weight layer
 and the final output layer (like gains and biases) should use a standard optimizer such as AdamW; Megatron-Core's
 Muon support makes the same split (as issue 16 reports). A ``muon_filter`` replaces this rule entirely.
 
+A pruned or parametrized weight is judged by the param that stores it (``weight_orig``,
+``parametrizations.weight.original``: :func:`stored_weight`), which is what ``torch.optim.Muon`` steps.
+
 HF ``Conv1D`` is detected without importing transformers: a module whose class is named ``Conv1D`` and which has
 the ``nf`` attribute (its output width) of HF's ``transformers.pytorch_utils.Conv1D``.
 """
@@ -33,14 +36,28 @@ HEAD_NAMES = ("lm_head", "output", "output_layer", "head")
 """Names of a root's ``nn.Linear`` child taken as the output head (HF/nanoGPT, torchtitan, Megatron-Core, timm)."""
 
 
+def stored_weight(m: nn.Module) -> Any:
+    """The param that stores ``m``'s weight: ``m.weight``, or the original of a pruned one (``torch.nn.utils.prune``
+    registers it as ``weight_orig`` and computes ``weight`` from it in a forward pre-hook) or of a parametrized one
+    (``torch.nn.utils.parametrize``: ``parametrizations.weight.original``); ``None`` without one."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(m, "weight"):
+        return getattr(m.parametrizations.weight, "original", None)
+    own = dict(m.named_parameters(recurse=False))
+    if "weight" not in own and "weight_orig" in own:
+        return own["weight_orig"]
+    return getattr(m, "weight", None)
+
+
 def _is_conv1d(m: nn.Module) -> bool:
-    w = getattr(m, "weight", None)
+    w = stored_weight(m)
     return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(w, Tensor) and w.ndim == 2
 
 
 def conv1d_weights(model: nn.Module) -> set[int]:
     """``id`` of every HF ``Conv1D`` weight in ``model`` (stored ``(in, out)``, used as ``x @ W + b``)."""
-    return {id(m.weight) for m in model.modules() if _is_conv1d(m)}
+    return {id(stored_weight(m)) for m in model.modules() if _is_conv1d(m)}
 
 
 def _hf_module(model: nn.Module, getter: str) -> Any:
@@ -55,16 +72,17 @@ def _hf_module(model: nn.Module, getter: str) -> Any:
 
 def default_muon_ids(model: nn.Module) -> set[int]:
     """``id`` of the params the default rule ([Note: the default split]) gives to Muon."""
-    mats = {id(m.weight) for m in model.modules()
-            if (isinstance(m, nn.Linear) or _is_conv1d(m)) and isinstance(m.weight, Tensor) and m.weight.ndim == 2}
-    excluded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    weights = {m: stored_weight(m) for m in model.modules()}
+    mats = {id(w) for m, w in weights.items()
+            if (isinstance(m, nn.Linear) or _is_conv1d(m)) and isinstance(w, Tensor) and w.ndim == 2}
+    excluded = {id(w) for m, w in weights.items() if isinstance(m, nn.Embedding)}
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         mod = _hf_module(model, getter)
-        if isinstance(getattr(mod, "weight", None), Tensor):
-            excluded.add(id(mod.weight))
+        if isinstance(mod, nn.Module) and isinstance(stored_weight(mod), Tensor):
+            excluded.add(id(stored_weight(mod)))
     for name, child in model.named_children():
         if name in HEAD_NAMES and isinstance(child, nn.Linear):
-            excluded.add(id(child.weight))
+            excluded.add(id(stored_weight(child)))
     return mats - excluded
 
 

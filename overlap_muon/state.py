@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .domain import MuonParam
 
-__all__ = ["init_adamw_state", "committed_momentum", "create_momentum", "checkpoint_meta", "checkpoint_errors"]
+__all__ = ["init_adamw_state", "create_momentum", "checkpoint_meta", "checkpoint_errors"]
 
 
 def init_adamw_state(groups: Sequence[dict[str, Any]], state: dict, only: Collection[int]) -> None:
@@ -40,14 +40,6 @@ def init_adamw_state(groups: Sequence[dict[str, Any]], state: dict, only: Collec
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group["amsgrad"]:
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def committed_momentum(state: dict, m: MuonParam, grad: Tensor) -> Tensor:
-    """``m``'s committed momentum (local shard), or zeros like ``grad`` before its first step; read without
-    inserting a key (the state dict is the user's until ``step()``)."""
-    st = state.get(m.param)
-    buf = st.get("momentum_buffer") if st else None
-    return m.local(buf) if buf is not None else torch.zeros_like(grad, memory_format=torch.preserve_format)
 
 
 def create_momentum(state: dict, muon: Sequence[MuonParam]) -> None:

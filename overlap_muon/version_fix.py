@@ -28,7 +28,10 @@ C++ process group, below autograd: ``dist.all_reduce(p.grad)`` after backward (a
 version counter, on any backend. :func:`install` wraps the collectives of :data:`C10D_INPLACE` in the
 ``torch.distributed`` namespace the same way: after the call (or, with ``async_op=True``, at the call: the
 counter only has to have moved by the next ``step()``, before which the caller waits on the work) the written
-tensors' counters move. A more general mechanism was looked for and not found: the c10d ops are not
+tensors' counters move. An asynchronous call also registers its work with the storages it writes, and
+a wave waits for those before it reads a gradient (:func:`wait_in_flight`): gloo writes after the call has returned
+(and after the bump), so without the wait a wave could read a half-reduced gradient whose counter it recorded after
+the call. A more general mechanism was looked for and not found: the c10d ops are not
 autograd-visible in-place ops (their dispatcher schemas run no ``ADInplaceOrView`` kernel), and a
 ``TorchDispatchMode`` would see every op of the job, not only these. Unlike the foreach fix this one has no probe:
 a probe would be a collective, and no c10d op of torch 2.13 moves a counter. While Dynamo traces, the wrappers
@@ -61,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions",
-           "install", "installed", "acquire", "release", "uninstall"]
+           "install", "installed", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed"]
 
 logger = logging.getLogger("overlap_muon")
 
@@ -78,6 +81,7 @@ C10D_INPLACE: dict[str, tuple[int, str]] = {
 }
 
 _lock = threading.RLock()
+_in_flight: list[tuple[frozenset[int], Any]] = []  # (storages written, work) of asynchronous collectives
 _users = 0  # live OverlapMuon(overlap=True) instances that acquired the fixes
 _originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (module, name, original) of every wrapped function
 _done: set[str] = set()  # "dtensor_foreach", "amp_unscale", "c10d", "unit_clip": the fixes in place in this process
@@ -139,6 +143,8 @@ def _bumping_collective(name: str, fn: Callable[..., Any], pos: int, key: str) -
             target = args[pos] if len(args) > pos else kwargs.get(key)
             written = list(target) if isinstance(target, (list, tuple)) else [target]
             written = [t for t in written if isinstance(t, torch.Tensor)]
+            if written and out is not None:  # async_op=True: still writing (registered before the bump)
+                _register_in_flight(out, written)
             if written:
                 torch.autograd.graph.increment_version(written)
         return out
@@ -146,6 +152,40 @@ def _bumping_collective(name: str, fn: Callable[..., Any], pos: int, key: str) -
     wrapper.__module__, wrapper.__qualname__, wrapper.__name__ = "torch.distributed", name, name
     wrapper.__overlap_muon_version_fix__ = fn  # type: ignore[attr-defined]
     return wrapper
+
+
+def _storage(t: torch.Tensor) -> int:
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return local.untyped_storage().data_ptr()
+
+
+def _register_in_flight(work: Any, written: list[torch.Tensor]) -> None:
+    if not hasattr(work, "wait"):
+        return
+    with _lock:
+        forget_completed()
+        _in_flight.append((frozenset(_storage(t) for t in written), work))
+
+
+def forget_completed() -> None:
+    """Drop the registered collectives that have completed (a work keeps the tensors it wrote alive)."""
+    with _lock:
+        _in_flight[:] = [(s, w) for s, w in _in_flight if not w.is_completed()]
+
+
+def wait_in_flight(tensors: Any) -> None:
+    """Wait for every asynchronous collective issued through the wrapped ``torch.distributed`` functions that still
+    writes the storage of one of ``tensors`` ([Note: in-place collectives]; [Note: a wave's reads] in
+    ``reads.py``): CPU, the calling thread blocks until it has written; CUDA (NCCL), the current stream waits on it.
+    Free when none is in flight."""
+    if not _in_flight:
+        return
+    mine = {_storage(t) for t in tensors}
+    with _lock:
+        forget_completed()
+        works = [w for s, w in _in_flight if s & mine]
+    for w in works:
+        w.wait()
 
 
 def _skipping_unit_clip(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -209,6 +249,7 @@ def uninstall() -> None:
             setattr(module, name, fn)
         _originals.clear()
         _done.clear()
+        _in_flight.clear()
 
 
 def install(mesh: Any = None) -> set[str]:

@@ -11,30 +11,12 @@ from typing import Any
 
 from torch import Tensor
 
-from .domain import local_tensor
 from .exchanges import Leg
 from .lanes import LaneHandle
+from .reads import Hyper, Reads
 from .scheduler.waves import Wave
 
-__all__ = ["Hyper", "WaveState", "EarlyRelease", "LateRelease", "versions", "wait_handle"]
-
-
-@dataclass(frozen=True)
-class Hyper:
-    """The hyper-parameters a wave's NS input depends on; a wave launched with other values is stale at commit.
-
-    ``lr`` and ``weight_decay`` are not here: they enter only the apply, which reads them at ``step()``.
-    """
-
-    momentum: float
-    nesterov: bool
-    ns_coefficients: Any
-    ns_steps: int
-    eps: float
-
-    @staticmethod
-    def of(group: dict[str, Any]) -> "Hyper":
-        return Hyper(group["momentum"], group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"])
+__all__ = ["WaveState", "EarlyRelease", "LateRelease", "wait_handle"]
 
 
 @dataclass(eq=False)
@@ -52,8 +34,11 @@ class WaveState:
     grads: list[Tensor] | None
     """The gradients read, as ``param.grad`` holds them (DTensor or shard; set by ``launch``; read again by the
     apply, which recomputes the new momentum in place; released after it)."""
-    versions: list[tuple[int, int]]
-    """Version counters of each gradient and of its local shard at launch; ``commit`` compares them."""
+    reads: Reads | None = None
+    """What the pack read, recorded as it read it; ``commit`` compares it ([Note: a wave's reads] in ``reads.py``)."""
+    bufs: list[Tensor] | None = None
+    """The committed momentum buffer of each item (``state[p]["momentum_buffer"]``), taken by ``commit`` on the
+    calling thread: the apply writes these, whatever the user does with the state mapping meanwhile."""
     packed: list[Tensor | None] | None = None
     """Shards, bf16: the NS inputs (``pack``; released after ``from_home``)."""
     legs: list[Leg] | None = None
@@ -88,7 +73,7 @@ class WaveState:
 
     def release(self) -> None:
         """Drop every tensor the wave holds."""
-        self.grads = self.packed = self.legs = self.updates = self.momentum = None
+        self.grads = self.packed = self.legs = self.updates = self.momentum = self.reads = self.bufs = None
 
 
 class EarlyRelease:
@@ -117,12 +102,6 @@ class LateRelease(EarlyRelease):
 
     def after_apply(self, st: WaveState) -> None:
         return None
-
-
-def versions(grad: Tensor) -> tuple[int, int]:
-    """Version counters of a gradient and of its local shard: an in-place op on a DTensor bumps the wrapper's
-    only (the local op runs below autograd's version tracking), one on the local shard bumps the shard's."""
-    return grad._version, local_tensor(grad)._version
 
 
 def wait_handle(h: LaneHandle | None, streams: Sequence[Any]) -> None:

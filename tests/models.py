@@ -211,9 +211,10 @@ class Deep(nn.Module):
         return x
 
 
-def train_pair(model, opt, ref, ref_opts, xs, steps, between=None) -> None:
+def train_pair(model, opt, ref, ref_opts, xs, steps, between=None, after_step=None) -> None:
     """The same loop on a model and its reference: forward on ``xs[s]``, backward, ``between(m, opts, s)``, every
-    optimizer's step, then every optimizer's zero_grad, for each ``s`` in ``steps``."""
+    optimizer's step, then every optimizer's zero_grad, then ``after_step(m, opts, s)``, for each ``s`` in
+    ``steps``."""
     for s in steps:
         for m, opts in ((model, [opt]), (ref, ref_opts)):
             m(xs[s]).pow(2).mean().backward()
@@ -223,6 +224,8 @@ def train_pair(model, opt, ref, ref_opts, xs, steps, between=None) -> None:
                 o.step()
             for o in opts:
                 o.zero_grad()
+            if after_step is not None:
+                after_step(m, opts, s)
 
 
 def torch_ref_opts(ref: nn.Module) -> list[torch.optim.Optimizer]:

@@ -52,8 +52,8 @@ class Agreement:
         launched it: ``load_state_dict``), or (``validate``) it is stale; agreed over the ranks (any rank's flag)."""
         if validate:
             for st in pending.values():
-                if st.h_pack is not None:
-                    st.h_pack.settle()  # the pack records the reads
+                if st.h_pack is not None and st.reads.buf_versions is None:
+                    st.h_pack.settle()  # the pack records what it reads ([Note: a wave's reads])
         stale = [1 if w.index not in pending or validate and self.stale(pending[w.index], hyper) else 0 for w in waves]
         if self.ctrl_group is not None and not self._agreed:
             stale = self._agree_step(stale, pending)

@@ -123,7 +123,7 @@ def group_params(muon: list[MuonParam], adamw_groups: list[dict[str, Any]]) -> l
     return [list({id(m.param): m.param for m in muon}.values())] + [list(g["params"]) for g in adamw_groups]
 
 
-# [Note: following the param groups] (``OverlapMuon._follow_params``): the re-binding's pieces.
+# [Note: following the param groups] (``binding.ParamBinding.follow``): the re-binding's pieces.
 def follow_groups(groups: list[dict[str, Any]], bound: list[list[int]], names: dict[int, str],
                   named: dict[str, Tensor]) -> tuple[list[str], list[list[Tensor]], list[tuple[int, Tensor]]]:
     """Each group entry as the model's param: kept when it is one (Accelerate swapped it in), else the model's

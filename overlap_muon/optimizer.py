@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -27,13 +26,11 @@ from torch import Tensor, nn
 
 from . import builder
 from .config import resolve_config
-from .domain import Domain
-from .hooks import ParamOwners, weak_callback
 from .messages import warn_user
 from .ns import DEFAULT_NS_COEFFICIENTS
 from .qk_clip import QKClip
-from .runtime import Runtime, StepPhase
-from .scheduler.waves import Wave
+from .binding import ParamBinding
+from .runtime import StepPhase
 from .split import SplitArg
 from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
 
@@ -41,8 +38,6 @@ __all__ = ["OverlapMuon", "StepPhase"]
 
 logger = logging.getLogger("overlap_muon")
 
-# One live OverlapMuon drives a param at a time (its hooks would apply every update twice otherwise).
-_OWNERS = ParamOwners(lambda opt: getattr(opt, "_finalizer", None) is not None and opt._finalizer.alive)
 
 
 class OverlapMuon(torch.optim.Optimizer):
@@ -133,105 +128,37 @@ class OverlapMuon(torch.optim.Optimizer):
                     remat_group=remat_group, expert_mesh=expert_mesh, ep_dim=ep_dim, etp_dim=etp_dim,
                     etp_group=etp_group, pp_dim=pp_dim, pp_group=pp_group)
         # What placement needs again when the params are replaced ([Note: following the param groups]).
-        self._recipe = dict(muon_filter=muon_filter, experts=experts, split=split, max_grad_norm=max_grad_norm,
-                            adamw_groups=adamw_groups, mesh=mesh)
-        self._qk_spec = qk_clip
-        self._claim(model)
-        placed = builder.place(model, self.config, self._rank, **self._recipe)
+        recipe = dict(muon_filter=muon_filter, experts=experts, split=split, max_grad_norm=max_grad_norm,
+                      adamw_groups=adamw_groups, mesh=mesh)
+        self._binding = ParamBinding(self, model, self.config, self._rank, recipe, qk_clip)
+        placed = self._binding.place()
         if not placed.muon and self._rank == 0:
             warn_user("OverlapMuon: no param went to Muon (it takes the 2-D weights of nn.Linear and Hugging Face "
                       "Conv1D modules, except embeddings and the output head), so this is plain AdamW; pass "
                       "muon_filter=lambda name, p: ... to choose the Muon params")
         self._adamw, groups = builder.param_groups(placed.muon, placed.adamw_groups, adamw_kwargs, hp)
         super().__init__(groups, hp)
-        self._link_adamw()  # State is created at a param's first gradient, as torch does ([Note: lazy state]).
         self.stats: dict[str, int] = defaultdict(int)
-        self._ddp: Any = None
-        self._stages: list[Any] = []
-        self._bind(model, placed)
-        self._step_count, self._warned_reruns, self._built = 0, False, True
+        self._binding.bind(placed)
+        self._link_adamw()  # State is created at a param's first gradient, as torch does ([Note: lazy state]).
+        self._warned_reruns, self._built = False, True
         if ddp is not None:
             self.attach_ddp(ddp)
         if self._rank == 0:
             logger.info("%s", self.config.describe())
 
-    def _claim(self, model: nn.Module) -> None:
-        _OWNERS.claim(model.parameters(), self, "OverlapMuon: another live OverlapMuon already drives this model's "
-                      "params; call its close() before building a new one on the same model")
-
-    def _bind(self, model: nn.Module, placed: builder.Placement) -> None:
-        """Groups, runtime and hooks for the params of ``placed`` (construction, and again when they are replaced)."""
-        self._muon = placed.muon
-        comm = builder.make_groups(placed, self.config, self._rank)
-        self.domain, self.expert_domain = comm.dom_to, comm.expert[0] if comm.expert else Domain.single()
-        self._model = model  # held as torch optimizers hold their params (the params it replaces are not)
-        self._param_names = {id(p): n for n, p in model.named_parameters()}
-        self._rt = Runtime(self, comm, self.defaults["ns_steps"])
-        self._qk = builder.qk_clipper(self._qk_spec, model, placed, comm, self._rank, self.config)
-        self._finalizer = self._rt.hook(self, model, weak_callback(self._sync_hook))
-        self._bound = self._binding(model)
-
-    def _binding(self, model: nn.Module) -> tuple:
-        """What :meth:`_follow_params` compares: the ids of the model's params (a set: pruning re-registers a weight
-        under another name, the same tensor), of the groups' params, and the device."""
-        params = list(model.parameters())
-        return (frozenset(id(p) for p in params), [[id(p) for p in g["params"]] for g in self.param_groups],
-                params[0].device if params else None)
+    _rt = property(lambda self: self._binding.runtime)
+    _muon = property(lambda self: self._binding.muon)
+    _pipeline = property(lambda self: self._binding.runtime.pipeline)  # the tests' seams
+    qk_clipper = property(lambda self: self._binding.qk, doc="The running QK-clip (``None`` without ``qk_clip=``).")
+    domain = property(lambda self: self._binding.domain, doc="This rank's dense :class:`Domain` (``R x T``).")
+    expert_domain = property(lambda self: self._binding.expert_domain,
+                             doc="This rank's expert :class:`Domain` (``1 x ETP``; ``1 x 1`` without one).")
 
     def _follow_params(self) -> None:
-        """[Note: following the param groups] The runtime is bound to the params it was built on: its hooks sit on
-        them, its plan routes their layout. Frameworks replace them after the optimizer exists: Accelerate's FSDP2
-        preparation calls ``fully_shard`` and then swaps each ``param_groups`` entry for its sharded param
-        (``accelerate.utils.fsdp_utils.fsdp2_switch_optimizer_parameters``); ``fully_shard`` by hand replaces the
-        model's params and leaves the groups alone; ``model.to(device)`` moves them. ``swap_tensors``,
-        ``to_empty()`` and ``.to()`` keep each param object, so only the device can change there.
-
-        Each ``step()``, ``state_dict()`` and ``load_state_dict()`` first compares the model's and the groups'
-        param ids and the device with those of the binding (a few microseconds per hundred params). When they
-        differ, it re-binds, on every rank (these calls are collective in a distributed job, as is the swap):
-        each group entry becomes the model's param of the same name (a group entry that is neither the param it
-        replaced nor a param of the model is a ``ValueError`` naming it), placement runs again (the params'
-        DTensor mesh is taken as the ``device_mesh`` when the constructor got none: a 1-D FSDP mesh is the remat
-        dim), the state of a replaced param moves to its successor when the shapes fit (a ``ValueError``
-        otherwise), and the hooks move to the new params. The step that re-binds launches every wave in
-        ``step()`` (backward ran before the hooks moved); the next ones overlap again."""
-        model = self._model
-        if self._binding(model) == self._bound:
-            return
-        self.synchronize()
-        self._rt.pipeline.discard()
-        foreign, lists, moved = builder.follow_groups(self.param_groups, self._bound[1], self._param_names,
-                                                      dict(model.named_parameters()))
-        if foreign:
-            raise ValueError(
-                f"OverlapMuon: the param groups hold params that are not the model's: {foreign[:8]}; the optimizer "
-                "follows params replaced in place of the model's own (fully_shard, Accelerate's preparation), not "
-                "new ones: build a new OverlapMuon on the changed model")
-        mesh = dict(self._recipe["mesh"])
-        if all(mesh[k] is None for k in ("device_mesh", "tp_group", "remat_group")):
-            mesh["device_mesh"] = builder.dtensor_mesh(lists[0])
-        placed = builder.place(model, self.config, self._rank, **dict(self._recipe, mesh=mesh))
-        errors = builder.rebind_errors(self._state, moved, lists, placed)
-        if errors:
-            raise ValueError(f"OverlapMuon: the params were replaced, but {'; '.join(errors[:4])}")
-        builder.move_state(self._state, moved)
-        for group, params in zip(self.param_groups, lists):
-            group["params"] = params
-        self._finalizer()
-        self._claim(model)
-        self._recipe["mesh"] = mesh
-        self._bind(model, placed)
-        self._link_adamw()
-        if self._ddp is not None and self._ddp() is not None:
-            self._rt.attach_ddp(self._ddp())
-        for stage in [ref() for ref in self._stages]:
-            if stage is not None:
-                self._rt.attach_pipeline_stage(stage)
-
-    _pipeline = property(lambda self: self._rt.pipeline)
-    _plans = property(lambda self: self._rt.plans)
-    _waves = property(lambda self: self._rt.waves)
-    _index = property(lambda self: self._rt.index)
+        """[Note: following the param groups] in ``binding.py``: re-bind when the params were replaced."""
+        if self._binding.follow():
+            self._link_adamw()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: params, domain layout, homes, waves and hooks are planned once.
@@ -240,16 +167,14 @@ class OverlapMuon(torch.optim.Optimizer):
             ValueError: called after construction (build a new ``OverlapMuon`` for a changed model).
         """
         if getattr(self, "_built", False):
-            raise ValueError(
-                "OverlapMuon plans its params, homes, waves and hooks at construction; add_param_group is not "
-                "supported afterwards: build a new OverlapMuon for the changed model"
-            )
+            raise ValueError("OverlapMuon plans its params, homes, waves and hooks at construction; add_param_group "
+                             "is not supported afterwards: build a new OverlapMuon for the changed model")
         super().add_param_group(param_group)
 
     def _link_adamw(self) -> None:
         """Share state and param groups with the inner AdamW and the pipeline (``load_state_dict`` replaces them)."""
-        if getattr(self, "_rt", None) is not None:
-            self._rt.pipeline.state = self._state
+        if self._binding.alive:
+            self._rt.set_state(self._state)
         if self._adamw is not None:
             self._adamw.state = self._state
             self._adamw.param_groups = self.param_groups[1:]
@@ -269,15 +194,14 @@ class OverlapMuon(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self._await_updates()
         self.__dict__["_state"] = value
-        if "_rt" in self.__dict__:  # built (torch's __init__ sets it first)
+        if self.__dict__.get("_built"):  # (torch's __init__ sets it first)
             self._link_adamw()
 
     _state = property(lambda self: self.__dict__["_state"])  # the mapping, without the wait (the library's reads)
 
     def _await_updates(self) -> None:
-        rt = self.__dict__.get("_rt")
-        if rt is not None and rt.async_step:
-            rt.pipeline.wait([w.index for w in rt.waves])
+        if self.__dict__.get("_built") and self._rt.async_step:
+            self._rt.await_updates()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """``Optimizer.__setstate__`` (``load_state_dict`` calls it), with the state mapping set through
@@ -286,9 +210,6 @@ class OverlapMuon(torch.optim.Optimizer):
         super().__setstate__(rest)
         if "state" in state:
             self.state = state["state"]
-
-    def _sync_hook(self, *_: Any) -> None:
-        self.synchronize()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -320,26 +241,25 @@ class OverlapMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._follow_params()
-        self._rt.phase = StepPhase.STEP
         try:
-            clip_params = list(self._model.parameters()) if self.max_grad_norm is not None else []
-            ok, norm = self._rt.prepare(self.max_grad_norm, clip_params)
+            clip_params = list(self._binding.model.parameters()) if self.max_grad_norm is not None else []
+            ok, norm, reruns = self._rt.commit_step(self.max_grad_norm, clip_params)
             self.last_grad_norm = norm if norm is not None else getattr(self, "last_grad_norm", None)
-            self._rt.launch_rest(ok)
-            self._commit(ok)
+            self._warn_reruns(reruns)
+            if self._adamw is not None and ok:
+                self._adamw.step()
+                init_adamw_state(self.param_groups[1:], self._state, self._rt.adamw_elsewhere())
             self._rt.finish()
-            if self._qk is not None and ok:  # [Note: QK-clip]: on the landed updates
-                self._rt.pipeline.wait(self._rt.index.waves_of(self._rt.index.of_tensors(self._qk.params())))
-                self.stats["qk_clipped_heads"] += self._qk.apply()
-            self._step_count += 1
+            qk = self._binding.qk
+            if qk is not None and ok:  # [Note: QK-clip]: on the landed updates
+                self._rt.wait_for(qk.params())
+                self.stats["qk_clipped_heads"] += qk.apply()
             self.stats["steps"] += 1
         finally:
-            self._rt.phase = StepPhase.IDLE
+            self._rt.end_step()
         return loss
 
-    def _commit(self, ok: bool) -> None:
-        """The runtime's commit (stale waves re-run, applies queued with the hyper-parameters of now), then AdamW."""
-        reruns = self._rt.commit(ok)
+    def _warn_reruns(self, reruns: int) -> None:
         if reruns and not self._warned_reruns:
             self._warned_reruns = True
             warn_user(
@@ -348,9 +268,6 @@ class OverlapMuon(torch.optim.Optimizer):
                 "collective, DDP averaging without attach_ddp, a changed momentum/NS setting, or optimizer state "
                 "edited or loaded between backward and step). The result is exact; the overlap of those waves is "
                 "lost.")
-        if self._adamw is not None and ok:
-            self._adamw.step()
-            init_adamw_state(self.param_groups[1:], self._state, self._rt.pipeline.adamw_elsewhere())
 
     def synchronize(self) -> None:
         """Block until every committed wave has been applied (host waits; on CUDA the device too).
@@ -358,20 +275,19 @@ class OverlapMuon(torch.optim.Optimizer):
         Raises:
             RuntimeError: a lane task failed; its original exception (and traceback) is chained.
         """
-        self._rt.pipeline.synchronize()
+        self._rt.synchronize()
 
     def wait_for(self, params: Iterable[Tensor]) -> None:
         """Wait until the committed updates of ``params`` have landed, for readers outside a module's forward
         (EMA, logging, evaluation on the side). CPU: the host waits; CUDA: the current stream waits.
         Non-Muon params are ignored (AdamW updates in ``step()`` itself)."""
-        self._rt.pipeline.wait(self._rt.index.waves_of(self._rt.index.of_tensors(params)))
+        self._rt.wait_for(params)
 
     def register_wait(self, module: nn.Module, params: Iterable[Tensor]) -> None:
         """``async_step``: make ``module``'s forward wait for ``params``' updates (a precise wait point for weights
         read outside the forward of the module that owns them, e.g. a fused QKV built in the parent's forward).
         The default step needs none (its updates have landed when it returns): then this does nothing."""
-        if self._rt.waits is not None:
-            self._rt.waits.register_wait(module, params)
+        self._rt.register_wait(module, params)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -388,8 +304,7 @@ class OverlapMuon(torch.optim.Optimizer):
 
         No committed update reads a gradient after ``step()`` has returned (the default step waits for its
         applies; ``async_step`` keeps each wave's new momentum), so zeroing in place needs no wait."""
-        self._rt.pipeline.discard()
-        self._rt.dispatcher.reset()
+        self._rt.discard()
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
@@ -416,8 +331,8 @@ class OverlapMuon(torch.optim.Optimizer):
         """
         self._follow_params()
         self.synchronize()
-        self._rt.pipeline.discard()
-        errors = checkpoint_errors(state_dict, self._muon, self.param_groups, self._param_names)
+        self._rt.discard()
+        errors = checkpoint_errors(state_dict, self._muon, self.param_groups, self._binding.names)
         if errors:
             raise ValueError("OverlapMuon.load_state_dict: checkpoint does not fit; nothing loaded: "
                              + "; ".join(errors))
@@ -433,22 +348,16 @@ class OverlapMuon(torch.optim.Optimizer):
 
         Under DDP a per-param hook sees the local, un-averaged gradient; the comm hook signals a bucket's params
         once its all-reduce has completed, so waves read DDP's averaged gradients. Requires
-        ``DistributedDataParallel(..., gradient_as_bucket_view=True)`` (see ``hooks.ddp_readiness_hook``). A comm
-        hook the user registers afterwards (``fp16_compress_hook``, PowerSGD) is chained: it reduces instead of the
-        default all-reduce (``hooks.attach_ddp_readiness``). One registered before leaves DDP no room for ours:
-        the waves then launch in ``step()`` (exact, no overlap) and a warning says so.
-        Without it the per-param hooks still give exact results (``step()`` sees DDP's in-place averaging and
-        re-runs those waves) but nothing overlaps. Called by the constructor when given a DDP model.
+        ``DistributedDataParallel(..., gradient_as_bucket_view=True)`` (see ``hooks.ddp_readiness_hook``). Without
+        it the per-param hooks still give exact results (``step()`` sees DDP's in-place averaging and re-runs those
+        waves) but nothing overlaps. Called by the constructor when given a DDP model. A comm hook the user
+        registers afterwards (``fp16_compress_hook``, PowerSGD) is chained (``hooks.attach_ddp_readiness``); one
+        registered before leaves DDP no room for ours: the waves then launch in ``step()`` and a warning says so.
 
         Raises:
             TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
         """
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not isinstance(ddp_model, DistributedDataParallel):
-            raise TypeError(f"attach_ddp expects a DistributedDataParallel, got {type(ddp_model).__name__}")
-        self._ddp = weakref.ref(ddp_model)
-        self._rt.attach_ddp(ddp_model)
+        self._binding.attach_ddp(ddp_model)
 
     def attach_pipeline_stage(self, stage: Any) -> None:
         """Launch the waves of ``stage``'s params once per schedule step, when its gradients are final (after the
@@ -461,17 +370,13 @@ class OverlapMuon(torch.optim.Optimizer):
         Raises:
             TypeError: ``stage`` is not a pipelining stage (no ``submod``).
         """
-        if not hasattr(stage, "submod") or not hasattr(stage, "scale_grads"):
-            raise TypeError(f"attach_pipeline_stage expects a torch.distributed.pipelining stage, got "
-                            f"{type(stage).__name__}")
-        self._stages.append(weakref.ref(stage))
-        self._rt.attach_pipeline_stage(stage)
+        self._binding.attach_pipeline_stage(stage)
 
     def close(self) -> None:
         """Wait for everything, remove the hooks and stop the lane threads. Idempotent."""
-        if self._finalizer.alive:
+        if self._binding.alive:
             self.synchronize()
-            self._finalizer()
+            self._binding.finalizer()
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise TypeError(
@@ -479,17 +384,9 @@ class OverlapMuon(torch.optim.Optimizer):
             "Copy its state instead: opt.state_dict() / load_state_dict() on a new OverlapMuon"
         )
 
-    @property
-    def waves(self) -> list[Wave]:
-        """The current wave plan (param indices into :attr:`muon_param_names`)."""
-        return list(self._rt.waves)
-
-    @property
-    def wave_plans(self) -> list[Any]:
-        """The frozen plan of every wave (``overlap_muon.scheduler.kinds.WavePlan``: params, homes, exchange kind)."""
-        return list(self._rt.plans)
-
-    @property
-    def muon_param_names(self) -> list[str]:
-        """Names of the Muon params, in registration order (the indices waves use)."""
-        return [m.name for m in self._muon]
+    waves = property(lambda self: list(self._rt.waves),
+                     doc="The current wave plan (``Wave``: param indices into :attr:`muon_param_names`).")
+    wave_plans = property(lambda self: list(self._rt.plans), doc="The frozen plan of every wave (``overlap_muon."
+                          "scheduler.kinds.WavePlan``: params, homes, exchange kind).")
+    muon_param_names = property(lambda self: [m.name for m in self._muon],
+                                doc="Names of the Muon params, in registration order (the indices waves use).")

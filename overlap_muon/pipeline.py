@@ -101,23 +101,19 @@ class WavePipeline(Agreement):
     ) -> None:
         self.muon = list(muon)
         self.state = state
-        self.dom_to, self.dom_from = dom_to, dom_from
         single = Domain.single()
         self._doms = [(dom_to, dom_from), expert_doms[:2] if expert_doms else (single, single)]
         self._expert_ctrl = expert_doms[2] if expert_doms else None
-        self.dp, self.team_group, self.config, self.stats = dp_slots, team_group, config, stats
-        self.ctrl_group = ctrl_group
+        self.dp, self.team_group, self.ctrl_group = dp_slots, team_group, ctrl_group
+        self.config, self.stats = config, stats
         # A synchronous step of one wave has nothing to pipeline: its lanes run inline (no thread hand-offs).
         one_wave = not config.overlap and config.wave_slots is None
         self.lanes = Lanes(device, side_streams=config.side_streams and not one_wave)
-        # On CPU (and inline) a task may drop what the next no longer needs; on CUDA only whole states are
-        # released, after their last event ([Note: release on time]).
-        self._eager_release = not self.lanes.cuda
-        self._release = EarlyRelease() if self._eager_release else LateRelease()
+        # CPU (and inline): a task drops what the next no longer needs; CUDA: whole states, after their last event.
+        self._release = LateRelease() if self.lanes.cuda else EarlyRelease()
         self._route_plans: dict[Any, dict] = {}
         self.exchanges: dict[int, tuple[Exchange, Exchange]] = {}
-        """Per wave index: its exchange and the ``local`` one of its replicated params, built from the frozen wave
-        plans (:meth:`set_plans`)."""
+        """Per wave index: its exchange and the ``local`` one of its replicated params (:meth:`set_plans`)."""
         self._ctx = ExchangeContext(config.fused_a2a, self._route_plans, self._run,
                                     None if device.type == "cuda" else {})
         self.keep_momentum = False
@@ -157,11 +153,13 @@ class WavePipeline(Agreement):
         if not items and not check:
             st.empty = True
         else:
-            # The momentum buffers this wave reads must hold the previous step's committed values: wait for the
-            # applies (on the from_home lane) of earlier waves that still write them.
+            # The pack waits for the applies of earlier waves that still write its momentum buffers; without any,
+            # the buffers' counters are recorded now ([Note: a wave's reads] in reads.py), else by the pack.
             with self._lock:
                 writers = [a.h_apply for a in self._applied.values()
                            if a.h_apply is not None and not a.h_apply.done() and set(a.items) & set(items)]
+            if not writers:
+                st.reads.record_buffers()
             if check:  # [Note: gradient presence without the device] in agreement.py
                 st.h_check = self.lanes.submit("to_home", lambda: self._check_task(st), deps=writers)
             st.h_pack = self.lanes.submit("to_home", lambda: self._pack_task(st), deps=writers + st.handles())
@@ -308,10 +306,9 @@ class WavePipeline(Agreement):
 
     def _queue_applies(self, pending: dict[int, WaveState], group: dict[str, Any]) -> None:
         """One apply per wave, with ``group``'s ``lr``, ``weight_decay`` and ``adjust_lr_fn`` of now, into the
-        momentum buffers the state holds now. Every apply waits for every wave's scatter: a wave that failed (a dead
-        peer, bad input found on a lane) fails them all, so a step is applied whole or not at all. (The from_home
-        lane is FIFO in wave order, so this delays no apply: the last wave's, which the next forward needs first,
-        ran last anyway.)"""
+        momentum buffers the state holds now. Every apply waits for every wave's scatter: a wave that failed fails
+        them all, so a step is applied whole or not at all (the from_home lane is FIFO in wave order, so this delays
+        no apply: the last wave's, which the next forward needs first, ran last anyway)."""
         lr = group["lr"]
         if isinstance(lr, Tensor):  # as torch.optim's _to_scalar: a 1-element tensor of any shape acts as 0-d;
             lr = lr.reshape(()).clone()  # cloned: a scheduler may fill it before the apply runs
@@ -338,7 +335,7 @@ class WavePipeline(Agreement):
                 self._orphan(st)
 
     def _orphan(self, st: WaveState) -> None:
-        if self._eager_release and st.done():
+        if self._release.eager and st.done():
             st.release()
             return
         self._orphans.append(st)

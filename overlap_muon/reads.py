@@ -23,11 +23,11 @@ recorded, and why it suffices:
   after the versions were recorded moved the counter at its call ([Note: in-place collectives]), so either the
   read saw its result or the commit re-runs the wave.
 
-Identities and the gradients' counters are recorded at launch: any change after it re-runs the wave, whenever
-the lane gets to read. The momentum buffers' counters are recorded by the pack, after the applies of the previous
-step that write them (``async_step``) and just before it reads, so the commit waits for the wave's pack first
-(``WavePipeline.commit``: a host wait on CPU, where ``step()`` waits for the packs anyway; on CUDA the pack's host
-part ran at launch).
+Everything is recorded at launch, on the launching thread: any change after it re-runs the wave, whenever the lane
+gets to read. One exception: under ``async_step`` the previous step's apply may still be writing a momentum buffer
+the wave will read (the pack waits for it); then the buffers' counters are recorded by the pack, after that write
+and just before it reads, and the commit waits for that wave's pack first (a host wait on CPU; on CUDA the pack's
+host part ran at launch).
 
 What no record can see: writes that move no version counter (``Tensor.data`` edits, which have a counter of their
 own by design; memory shared through ``numpy()``, DLPack or ``set_``; a collective reached from C++, through
@@ -98,6 +98,11 @@ class Reads:
         self.bufs = [e.get("momentum_buffer") if e else None for e in self.entries]
         self.buf_versions: list[tuple[int, int] | None] | None = None if mps else []
 
+    def record_buffers(self) -> None:
+        """Record the momentum buffers' counters now (at launch: nothing of the optimizer writes them before the
+        pack reads them, so the commit need not wait for the pack)."""
+        self.buf_versions = [versions(b) if b is not None else None for b in self.bufs]
+
     def read(self, state: Any, mps: Sequence[MuonParam]) -> tuple[list[Tensor], list[Tensor]]:
         """Record the momentum buffers' counters, wait for collectives still writing the gradients, then read: the
         local gradient shards and committed momentum shards of ``mps`` (zeros before a param's first step, made
@@ -108,7 +113,8 @@ class Reads:
         """
         entries = [state.get(m.param) for m in mps]
         bufs = [e.get("momentum_buffer") if e else None for e in entries]
-        self.buf_versions = [versions(b) if b is not None else None for b in bufs]
+        if self.buf_versions is None:
+            self.buf_versions = [versions(b) if b is not None else None for b in bufs]
         grads = [g for g, _ in self.grads]
         wait_in_flight(grads)
         local = [m.local(g) for m, g in zip(mps, grads)]

@@ -61,21 +61,24 @@ def _remove_all(handles: list, pipeline: WavePipeline, fixed: bool) -> None:
 
 
 class Runtime:
-    """The plan, the hooks and the step's machinery of one optimizer.
+    """The plan, the hooks and the step's machinery of one optimizer; its verbs (``discard``, ``wait_for``,
+    ``synchronize``, ...) are what the optimizer calls.
 
     Args:
-        opt: the optimizer (held weakly): its Muon params, options, counters, state and param groups (the Muon
-            group's hyper-parameters are read at each launch and commit; the AdamW params' gradient presence is
-            agreed too).
+        muon: the Muon params as placed.
+        config: the options.
+        stats: the optimizer's counters.
+        state: the optimizer's state mapping (:meth:`set_state` when it is replaced).
+        groups: returns the optimizer's param groups now (the Muon group's hyper-parameters are read at each
+            launch and commit; the AdamW params' gradient presence is agreed too).
         comm: the groups (``comm.build_comm``).
         ns_steps: for the NS cost.
     """
 
-    def __init__(self, opt: Any, comm: CommContext, ns_steps: int) -> None:
-        ref = weakref.ref(opt)
-        muon, config, stats, state = opt._muon, opt.config, opt.stats, opt._state
-        adamw_params = [p for g in opt.param_groups[1:] for p in g["params"]]
-        self.muon, self.config, self._group = muon, config, lambda: ref().param_groups[0]
+    def __init__(self, muon: list[Any], config: Any, stats: dict[str, int], state: Any,
+                 groups: Callable[[], list[dict[str, Any]]], comm: CommContext, ns_steps: int) -> None:
+        adamw_params = [p for g in groups()[1:] for p in g["params"]]
+        self.muon, self.config, self._group = muon, config, lambda: groups()[0]
         device = local_tensor(muon[0].param).device if muon else torch.device("cpu")
         self.pipeline = WavePipeline(muon, state, comm.dom_to, comm.dom_from, config, device, stats, comm.ctrl,
                                      expert_doms=comm.expert, dp_slots=comm.dp, team_group=comm.team)
@@ -94,6 +97,37 @@ class Runtime:
         self.plan(list(reversed(range(len(muon)))))
         self.stage_root = comm.stage_root
         check_plan_everywhere(muon, self.waves, [p.describe() for p in self.plans], comm.stages)
+
+    # verbs of the optimizer
+    def discard(self) -> None:
+        """Drop the waves launched since the last ``step()`` (``zero_grad()``, a reloaded state, a re-binding)."""
+        self.pipeline.discard()
+        self.dispatcher.reset()
+
+    def wait_for(self, params: Any) -> None:
+        """Wait until the committed updates of ``params`` (Muon params; others ignored) have landed."""
+        self.pipeline.wait(self.index.waves_of(self.index.of_tensors(params)))
+
+    def await_updates(self) -> None:
+        """Wait until every committed update has landed (CPU: the host; CUDA: the current stream)."""
+        self.pipeline.wait([w.index for w in self.waves])
+
+    def synchronize(self) -> None:
+        """Block until every committed wave is applied (``WavePipeline.synchronize``)."""
+        self.pipeline.synchronize()
+
+    def set_state(self, state: Any) -> None:
+        """The optimizer's state mapping was replaced: the waves read and create momentum in ``state`` from now."""
+        self.pipeline.state = state
+
+    def adamw_elsewhere(self) -> set[int]:
+        """The AdamW params that had a gradient on another rank only (``WavePipeline.adamw_elsewhere``)."""
+        return self.pipeline.adamw_elsewhere()
+
+    def register_wait(self, module: nn.Module, params: Any) -> None:
+        """``async_step``: ``module``'s forward waits for ``params``' updates (nothing to do otherwise)."""
+        if self.waits is not None:
+            self.waits.register_wait(module, params)
 
     def plan(self, order: list[int]) -> None:
         """Plan the waves for a gradient-ready ``order`` (``builder.plan``); hand their frozen plans to the
@@ -200,6 +234,18 @@ class Runtime:
             self.dispatcher.flush()
         finally:
             self.phase = StepPhase.STEP
+
+    def commit_step(self, max_grad_norm: float | None, clip_params: list[Tensor]) -> tuple[bool, Tensor | None, int]:
+        """``step()`` up to its applies: :meth:`prepare`, :meth:`launch_rest`, :meth:`commit` (in
+        :attr:`StepPhase.STEP`; :meth:`end_step` leaves it). Returns ``(applies, norm before clipping, reruns)``."""
+        self.phase = StepPhase.STEP
+        ok, norm = self.prepare(max_grad_norm, clip_params)
+        self.launch_rest(ok)
+        return ok, norm, self.commit(ok)
+
+    def end_step(self) -> None:
+        """Leave the step (also when it raised): backward's hooks launch speculative waves again."""
+        self.phase = StepPhase.IDLE
 
     def commit(self, ok: bool) -> int:
         """Validate the waves (stale ones re-run) and queue their applies with the hyper-parameters of now;

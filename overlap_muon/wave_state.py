@@ -79,6 +79,9 @@ class WaveState:
 class EarlyRelease:
     """CPU (and inline lanes): each task drops what the next no longer needs ([Note: release on time])."""
 
+    eager = True
+    """A discarded wave whose tasks are done is released at once (CUDA: only after its last event)."""
+
     def after_ns(self, leg: Leg) -> None:
         leg.mats = None
 
@@ -93,6 +96,8 @@ class LateRelease(EarlyRelease):
     """CUDA: a tensor read on another stream than the one that allocated it lives until that stream is done with
     it (no ``record_stream``): the wave keeps everything until its apply event has completed (released by the
     pipeline's ``wait`` / ``reap`` then)."""
+
+    eager = False
 
     def after_ns(self, leg: Leg) -> None:
         return None

@@ -5,7 +5,10 @@
 * the math and layout modules never import the planner, and the planner never imports torch;
 * only the communication context (``overlap_muon/comm.py``) creates process groups, and only the lanes
   (``overlap_muon/lanes.py``) create streams, events or threads;
-* nothing imports the old top-level names ``hooks`` and ``scheduler``.
+* nothing imports the old top-level names ``hooks`` and ``scheduler``;
+* the sizes: a library file at most :data:`FILE_LINES` lines, the ``OverlapMuon`` class :data:`OPTIMIZER_LINES`, a
+  function or method :data:`FUNCTION_LINES` lines of code (its docstring, blank and comment lines not counted), a
+  pipeline task (``WavePipeline._*_task``) :data:`TASK_LINES`; the few exceptions are named in :data:`LONG`.
 
 Each rule is shown to catch a planted violation.
 """
@@ -24,6 +27,58 @@ MATH_AND_LAYOUT = {"overlap_muon.ns", "overlap_muon.muon_math", "overlap_muon.te
                    "overlap_muon.domain", "overlap_muon.layout", "overlap_muon.layer_sharded_a2a"}
 GROUP_MAKERS = {"new_group", "new_subgroups", "init_device_mesh", "split_group"}
 LANE_MAKERS = {"Stream", "Event", "Thread", "ThreadPoolExecutor"}
+
+
+FILE_LINES, OPTIMIZER_LINES, FUNCTION_LINES, TASK_LINES = 450, 350, 40, 25
+#: ``file:function`` -> why it may pass :data:`FUNCTION_LINES` (the list only shrinks).
+LONG = {
+    "overlap_muon/comm.py:domain_from_layouts": "every rank creates every group of the domain in one fixed order; "
+                                                "the order is the function",
+    "overlap_muon/layer_sharded_a2a/domain_exchange.py:to_homes": "one exchange's collectives, which every rank "
+                                                                  "issues in the same order, read in that order",
+    "overlap_muon/layer_sharded_a2a/domain_exchange.py:from_homes": "the same, for the way back",
+    "scheduler/waves.py:plan_waves_by_cost": "the cost-cut planner, one algorithm read top to bottom ([Note: "
+                                             "planning waves by cost])",
+    "scheduler/surplus.py:_greedy": "the surplus planner's greedy pass, one algorithm read top to bottom",
+    "scheduler/surplus.py:plan_surplus": "the surplus plan's entry: options, then the pass, then the checks",
+    "overlap_muon/domain.py:describe_param": "pending: one reader of DTensor placements shared with "
+                                            "describe_expert_param (issue 32)",
+}
+
+
+def _code_lines(lines: list[str], node: ast.AST) -> int:
+    """Lines of code of a function: its body without the docstring, blank and comment lines."""
+    body = list(node.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    seen = {n for stmt in body for n in range(stmt.lineno, stmt.end_lineno + 1)}
+    return sum(1 for n in seen if lines[n - 1].strip() and not lines[n - 1].strip().startswith("#"))
+
+
+def size_violations(root: Path) -> list[str]:
+    """Every size limit the library under ``root`` passes, one line each."""
+    bad = []
+    for name, path in _modules(root).items():
+        text = path.read_text()
+        lines, where = text.splitlines(), os.path.relpath(path, root)
+        if len(lines) > FILE_LINES:
+            bad.append(f"{where}: {len(lines)} lines (limit {FILE_LINES}: make a new file)")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ClassDef) and node.name == "OverlapMuon":
+                n = node.end_lineno - node.lineno + 1
+                if n > OPTIMIZER_LINES:
+                    bad.append(f"{where}: OverlapMuon has {n} lines (limit {OPTIMIZER_LINES})")
+            if isinstance(node, ast.ClassDef) and node.name == "WavePipeline":
+                for f in node.body:
+                    if isinstance(f, ast.FunctionDef) and f.name.endswith("_task") and (
+                            n := _code_lines(lines, f)) > TASK_LINES:
+                        bad.append(f"{where}: pipeline task {f.name} has {n} lines of code (limit {TASK_LINES})")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(lines, node)
+                if n > FUNCTION_LINES and f"{where}:{node.name}" not in LONG:
+                    bad.append(f"{where}:{node.lineno}: {node.name} has {n} lines of code (limit {FUNCTION_LINES}: "
+                               "make a component, or name it in LONG with its reason)")
+    return bad
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -126,3 +181,26 @@ def test_planted_violations_are_caught(tmp_path):
                       ("overlap_muon/config.py", "stream/event/thread"), ("scheduler/waves.py", "imports torch"),
                       ("hooks/ownership.py", "top-level name 'scheduler'")):
         assert any(rel in line and what in line for line in found.splitlines()), (rel, what, found)
+
+
+def test_the_library_keeps_its_sizes():
+    assert not size_violations(ROOT), "\n".join(size_violations(ROOT))
+
+
+def test_planted_size_violations_are_caught(tmp_path):
+    for folder in PACKAGES:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    long_body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LINES + 1))
+    with open(tmp_path / "overlap_muon/config.py", "a") as f:  # a long function
+        f.write(f"\n\ndef _planted():\n    \"\"\"Docstring lines do not count.\"\"\"\n{long_body}")
+    with open(tmp_path / "overlap_muon/messages.py", "a") as f:  # a long file
+        f.write("\n" * FILE_LINES)
+    for rel, cls, body in (("overlap_muon/optimizer.py", "class OverlapMuon(", "    def _planted(self):\n"),
+                           ("overlap_muon/pipeline.py", "class WavePipeline(", "    def _planted_task(self):\n")):
+        text = (tmp_path / rel).read_text()  # a long OverlapMuon, a long pipeline task: inside the class
+        at = text.index("\n", text.index(cls)) + 1
+        extra = body + "".join(f"        x{i} = {i}\n" for i in range(max(OPTIMIZER_LINES, TASK_LINES) + 1))
+        (tmp_path / rel).write_text(text[:at] + extra + text[at:])
+    found = "\n".join(size_violations(tmp_path))
+    for what in ("config.py", "_planted has", "messages.py:", "OverlapMuon has", "pipeline task _planted_task"):
+        assert what in found, (what, found)

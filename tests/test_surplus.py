@@ -26,8 +26,13 @@ _LINK_BOUND = SurplusCostModel(ns_flops_per_s=1e15, intra_node_bytes_per_s=1e9, 
 
 
 def _waves_of_kind(opt, *kinds: str) -> set[int]:
-    """The waves whose frozen plan (``opt._plans``) has one of ``kinds`` (the runtime decides nothing later)."""
-    return {p.wave.index for p in opt._plans if p.kind in kinds}
+    """The waves whose frozen plan (``opt.wave_plans``) has one of ``kinds`` (the runtime decides nothing later)."""
+    return {p.wave.index for p in opt.wave_plans if p.kind in kinds}
+
+
+def _wave_of(opt) -> dict[int, int]:
+    """Muon param index -> the index of its wave (``opt.waves``)."""
+    return {i: w.index for w in opt.waves for i in w.params}
 
 
 def _check_plan(plan, params, homes, num_ranks):
@@ -224,7 +229,7 @@ def _surplus_body(rank, world, R, T, surplus, overlap):
     opt.synchronize()
     out = {n: local(p).detach().clone() for n, p in model.named_parameters()}
     gathered = sorted(_waves_of_kind(opt, "gathered", "team")) + sorted(_waves_of_kind(opt, "team"))
-    partial = sorted(p.wave.index for p in opt._plans if p.dup)
+    partial = sorted(p.wave.index for p in opt.wave_plans if p.dup)
     opt.close()
     return out, gathered, partial
 
@@ -278,7 +283,7 @@ def _team_body(rank, world, R, T, surplus, shapes=_TEAM_SHAPES):
         opt.zero_grad()
     opt.synchronize()
     out = [p.detach().clone() for p in net.parameters()]
-    wave_of = opt._index.wave_of
+    wave_of = _wave_of(opt)
     teamed = sorted(k for k in range(len(shapes)) if wave_of[k] in _waves_of_kind(opt, "team"))
     gathered = sorted(k for k in range(len(shapes)) if wave_of[k] in _waves_of_kind(opt, "gathered", "team"))
     opt.close()
@@ -401,8 +406,8 @@ def _fallback_body(rank, world, surplus):
         opt.zero_grad()
     opt.synchronize()
     out = [p.detach().clone() for p in (net.conv.weight, net.qkv.weight)]
-    mi = {m.name: k for k, m in enumerate(opt._muon)}
-    waves = [opt._index.wave_of[mi["conv.weight"]], opt._index.wave_of[mi["qkv.weight"]]]
+    mi = {n: k for k, n in enumerate(opt.muon_param_names)}
+    waves = [_wave_of(opt)[mi["conv.weight"]], _wave_of(opt)[mi["qkv.weight"]]]
     teamed = [k for k, w in enumerate(waves) if w in _waves_of_kind(opt, "team")]
     gathered = [k for k, w in enumerate(waves) if w in _waves_of_kind(opt, "gathered", "team")]
     opt.close()

@@ -174,7 +174,7 @@ def test_gradient_all_reduced_from_users_hook(order, mode):
 # ---------------------------------------------------------------------------------------------------------------
 # DDP with the user's own comm hook
 # ---------------------------------------------------------------------------------------------------------------
-def _comm_hook_body(rank, world, order):
+def _comm_hook_body(rank, world, order, mode):
     import warnings
 
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -194,7 +194,7 @@ def _comm_hook_body(rank, world, order):
         warnings.simplefilter("always")
         if order == "before":
             model.register_comm_hook(None, counted)
-        opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, **HP)
+        opt = _opt(mode, model)
         if order == "after":
             model.register_comm_hook(None, counted)
     ref_ddp = DDP(ref, gradient_as_bucket_view=True)
@@ -209,6 +209,7 @@ def _comm_hook_body(rank, world, order):
                 o.step()
             for o in opts:
                 o.zero_grad()
+        opt.wait_for(base.parameters())
         bad = bad or ((s, _diff(base, ref)) if _diff(base, ref) else None)
     opt.synchronize()
     out = bad, calls[0], opt.stats["reruns"], [str(w.message) for w in caught if "comm hook" in str(w.message)]
@@ -217,12 +218,13 @@ def _comm_hook_body(rank, world, order):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("order", ["before", "after"])
-def test_ddp_with_users_comm_hook(order):
+def test_ddp_with_users_comm_hook(order, mode):
     """Bug: DDP's "can only be called once" error on every rank, naming neither cause nor fix. Now a hook
     registered after ``OverlapMuon(ddp)`` is chained (it runs, the waves read its result, no re-run); one
     registered before keeps DDP's own call, and the optimizer says in one sentence how to keep the overlap."""
-    for bad, calls, reruns, warned in run_ranks(_comm_hook_body, 2, order, timeout=150):
+    for bad, calls, reruns, warned in run_ranks(_comm_hook_body, 2, order, mode, timeout=150):
         assert bad is None, bad
         assert calls > 0
         if order == "after":

@@ -849,7 +849,7 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
         summary["verify_equal"] = verifier.first_bad is None
         if rank == 0:
             print(verifier.report(), flush=True)
-    qk = getattr(opt, "_qk", None)
+    qk = getattr(opt, "qk_clipper", None)
     if qk is not None:
         summary["max_attn_logit"] = qk.peak_max_logit
         summary["qk_clipped_heads"] = opt.stats["qk_clipped_heads"]

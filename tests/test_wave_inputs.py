@@ -62,13 +62,16 @@ def _diff(model: nn.Module, ref: nn.Module) -> list[str]:
             if not torch.equal(local(p).detach(), q.detach())]
 
 
-def _run(model, opt, ref, ref_opts, steps=4, after_backward=None, after_step=None):
-    """The same loop on both; ``after_backward(m, opts, s)`` / ``after_step(m, opts, s)`` edit both the same way.
-    Returns the first step whose params differ, with their names (``None``: bitwise equal after every step)."""
+def _run(model, opt, ref, ref_opts, steps=4, after_backward=None, after_step=None, xs=X, compared=None):
+    """The same loop on both (inputs ``xs``); ``after_backward(m, opts, s)`` / ``after_step(m, opts, s)`` edit both
+    the same way. Returns the first step whose params differ, with their names (``None``: bitwise equal after every
+    step). ``compared``: the ``(module, reference)`` whose params are compared (default ``(model, ref)``; the inner
+    modules of a DDP pair)."""
+    mine, theirs = compared or (model, ref)
     for s in range(steps):
-        train_pair(model, opt, ref, ref_opts, X, [s], after_backward, after_step)
-        opt.wait_for(model.parameters())  # async_step: the reader's wait (a no-op after a default step)
-        bad = _diff(model, ref)
+        train_pair(model, opt, ref, ref_opts, xs, [s], after_backward, after_step)
+        opt.wait_for(mine.parameters())  # async_step: the reader's wait (a no-op after a default step)
+        bad = _diff(mine, theirs)
         if bad:
             return s, bad
     return None
@@ -82,7 +85,7 @@ def _edit_state(kind: str):
         if s != 1:
             return
         for o in opts:
-            if kind == "rebind":  # torch's reset idiom (pytorch#37410)
+            if kind == "rebind":  # torch's reset idiom
                 o.state = defaultdict(dict)
             elif kind == "clear":
                 o.state.clear()
@@ -138,19 +141,14 @@ def _in_flight_body(rank, world, order, mode):
     if order == "optimizer_first":
         handles = _hand_ddp(model, world)
     xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(50 * s + rank)) for s in range(4)]
-    bad = None
-    for s in range(4):
-        for m, opts, hs in ((model, [opt], handles), (ref, ref_opts, ref_handles)):
-            m(xs[s]).pow(2).mean().backward()
-            for h in hs:
-                h.wait()
-            hs.clear()
-            for o in opts:
-                o.step()
-            for o in opts:
-                o.zero_grad()
-        opt.wait_for(model.parameters())
-        bad = bad or ((s, _diff(model, ref)) if _diff(model, ref) else None)
+
+    def wait_handles(m, opts, s):  # the loop waits on its own all-reduces before step()
+        hs = handles if m is model else ref_handles
+        for h in hs:
+            h.wait()
+        hs.clear()
+
+    bad = _run(model, opt, ref, ref_opts, after_backward=wait_handles, xs=xs)
     opt.synchronize()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     others = [torch.empty_like(flat) for _ in range(world)]
@@ -201,16 +199,7 @@ def _comm_hook_body(rank, world, order, mode):
     ref_ddp.register_comm_hook(None, fp16_compress_hook)
     ref_opts = _ref_opts(ref)
     xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(70 * s + rank)) for s in range(3)]
-    bad = None
-    for s in range(3):
-        for m, opts in ((model, [opt]), (ref_ddp, ref_opts)):
-            m(xs[s]).pow(2).mean().backward()
-            for o in opts:
-                o.step()
-            for o in opts:
-                o.zero_grad()
-        opt.wait_for(base.parameters())
-        bad = bad or ((s, _diff(base, ref)) if _diff(base, ref) else None)
+    bad = _run(model, opt, ref_ddp, ref_opts, steps=3, xs=xs, compared=(base, ref))
     opt.synchronize()
     out = bad, calls[0], opt.stats["reruns"], [str(w.message) for w in caught if "comm hook" in str(w.message)]
     opt.close()

@@ -50,12 +50,15 @@ def _rank(rank, world, layout, layers, steps, only):
     from torchtitan.distributed.flex_shard import _optimizer_reshard_runtime as rt
     from torchtitan.distributed.flex_shard import dist_muon as dm
 
-    import overlap_muon.optimizer as om
+    import overlap_muon.lanes as lanes
+    import overlap_muon.ns as ns
+    from overlap_muon import OverlapMuon
+    from overlap_muon.agreement import Agreement
 
     _wrap(dist, "all_to_all_single", "a2a")
-    _wrap(om, "zeropower", "zeropower")
+    _wrap(ns, "zeropower", "zeropower")
     _wrap(dm, "_zeropower_via_newtonschulz", "zeropower")
-    _wrap(om.OverlapMuon, "_agree_on_gradients", "presence")
+    _wrap(Agreement, "check_wave", "presence")
     for f in ("_prepare_redistributed", "_compute_redistributed", "_finalize_redistributed"):
         _wrap(rt, f, f.strip("_"))
     _wrap(dm, "_apply_muon_update", "apply")
@@ -70,7 +73,7 @@ def _rank(rank, world, layout, layers, steps, only):
             with _lock:
                 _acc[name.rsplit("::", 1)[-1]] += dt
 
-    om.prof_range = timed_range
+    lanes.prof_range = timed_range
     flex, _ = bp.import_dist_muon()
     axis = "tp" if layout == "tp" else "remat"
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
@@ -83,7 +86,7 @@ def _rank(rank, world, layout, layers, steps, only):
             kw = dict(check_grad_presence=(name == "overlap_muon"))
             if name.endswith("inline"):
                 kw["side_streams"] = False
-            opts[name] = om.OverlapMuon(net, device_mesh=mesh, overlap=False, **kw, **bp._HP)
+            opts[name] = OverlapMuon(net, device_mesh=mesh, overlap=False, **kw, **bp._HP)
         else:
             opts[name] = bp._build_dist_muon(flex, net, axis, "one")
         opts[name].step()

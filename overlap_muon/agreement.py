@@ -1,7 +1,8 @@
 """Host-side agreement between the ranks: which waves are stale, and which params have a gradient.
 
-Only host tensors on gloo groups: no device tensor is read or made. :class:`Agreement` is the wave pipeline's part
-that does it; it reads the pipeline's params, groups and wave states.
+Only host tensors on gloo groups: no device tensor is read or made (one exception, named: :meth:`Agreement.all_finite`).
+The runtime makes one :class:`Agreement` and hands it to the wave pipeline, which agrees through it at each wave's
+launch and at ``step()``'s commit.
 
 [Note: gradient presence without the device] A param without a gradient is skipped (as ``torch.optim.Muon``
 does), so which params take part is decided per rank, and ranks that disagree would post mismatched exchanges.
@@ -13,51 +14,67 @@ is enqueued from the launching thread, it waits for the peers' hosts only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .domain import MuonParam
-from .reads import Hyper
-from .wave_state import WaveState, wait_handle
+from .comm import run_collective
+from .domain import Domain
+from .placement import MuonParam
+from .wave_state import Hyper, WaveState
 
 __all__ = ["Agreement", "max_everywhere"]
 
+#: The launched waves whose own errors explain a failed agreement (the step's in flight, first committed ones).
+InFlight = Callable[[], list[WaveState]]
+
 
 class Agreement:
-    """The agreement methods of ``WavePipeline`` (which provides ``muon``, ``adamw_params``, ``ctrl_group``,
-    ``_expert_ctrl``, ``_doms``, ``_lock``, ``_applied``, ``_agreed``, ``_adamw_elsewhere`` and ``discard``)."""
+    """What the ranks agree on, host-side: which waves are stale, which params have a gradient, whether every
+    gradient is finite.
 
-    muon: list[MuonParam]
-    state: Any
-    adamw_params: list[Tensor]
-    ctrl_group: Any
-    _expert_ctrl: Any
-    _agreed: bool
-    _adamw_elsewhere: set[int]
+    Args:
+        muon: the Muon params.
+        ctrl_group: a gloo group over every rank of the job (``None``: one process, nothing to agree).
+        expert_ctrl: a gloo group over this rank's expert domain (``None``: no expert domain).
+        adamw_params: the AdamW params, whose gradient presence the step's agreement also carries ([Note: lazy
+            state] in ``state.py``).
+    """
 
-    def stale(self, st: WaveState, hyper: Hyper) -> bool:
+    def __init__(self, muon: list[MuonParam], ctrl_group: dist.ProcessGroup | None,
+                 expert_ctrl: dist.ProcessGroup | None, adamw_params: list[Tensor]) -> None:
+        self.muon, self.ctrl_group, self.expert_ctrl = muon, ctrl_group, expert_ctrl
+        self.adamw_params = adamw_params
+        self._adamw_elsewhere: set[int] = set()
+
+    def stale(self, st: WaveState, hyper: Hyper, state: Any) -> bool:
         """Would the wave compute something else if launched now? Its params with a gradient, then what its pack
-        read ([Note: a wave's reads] in ``reads.py``). Host-side only."""
+        read ([Note: a wave's reads] in ``wave_state.py``). Host-side only."""
         items = [i for i in st.wave.params if self.muon[i].param.grad is not None]
         if items != st.items:
             return True
-        return bool(items) and not st.reads.unchanged(self.state, hyper, [self.muon[i] for i in items])
+        return bool(items) and not st.reads.unchanged(state, hyper, [self.muon[i] for i in items])
 
-    def _stale_flags(self, waves: list[Any], pending: dict[int, WaveState], hyper: Hyper, validate: bool
-                     ) -> list[int]:
+    def stale_flags(self, waves: list[Any], pending: dict[int, WaveState], hyper: Hyper, state: Any, *,
+                    validate: bool, agreed: bool, in_flight: InFlight) -> list[int]:
         """Per wave of the plan, 1 when ``commit`` must launch it again: it is not pending (discarded after backward
-        launched it: ``load_state_dict``), or (``validate``) it is stale; agreed over the ranks (any rank's flag)."""
+        launched it: ``load_state_dict``), or (``validate``) it is stale; agreed over the ranks (any rank's flag)
+        unless the step has ``agreed`` already (a synchronous step: nothing can be stale).
+
+        Raises:
+            ValueError: as :meth:`presence`.
+        """
         if validate:
             for st in pending.values():
                 if st.h_pack is not None and st.reads.buf_versions is None:
                     st.h_pack.settle()  # the pack records what it reads ([Note: a wave's reads])
-        stale = [1 if w.index not in pending or validate and self.stale(pending[w.index], hyper) else 0 for w in waves]
-        if self.ctrl_group is not None and not self._agreed:
-            stale = self._agree_step(stale, pending)
-        self._agreed = False
+        stale = [1 if w.index not in pending or validate and self.stale(pending[w.index], hyper, state) else 0
+                 for w in waves]
+        if self.ctrl_group is not None and not agreed:
+            stale = self.presence(stale, in_flight)
         return stale
 
     def adamw_elsewhere(self) -> set[int]:
@@ -66,43 +83,36 @@ class Agreement:
         out, self._adamw_elsewhere = self._adamw_elsewhere, set()
         return out
 
-    def agree_before_launch(self) -> None:
-        """A synchronous step, before it launches its waves: the step's one agreement on gradient presence now, so
-        the waves skip their per-wave checks ([Note: gradient presence without the device]) and ``commit`` skips
-        its own (no wave is speculative, nothing can be stale): one host collective per step instead of one per
-        wave plus one.
-
-        Raises:
-            ValueError: on every rank, as :meth:`commit` would (nothing is launched or applied).
-        """
-        if self.ctrl_group is not None:
-            self._agree_step([], {})
-            self._agreed = True
-
-    def _agree_step(self, stale: list[int], pending: dict[int, WaveState]) -> list[int]:
-        """One host-side all-reduce (gloo, no device tensor): which waves any rank finds stale (``stale``: this
-        rank's flags), and whether the ranks agree on which params have a gradient: a mismatch is a ValueError on
-        every rank here, before anything is applied (the per-wave check on the lane only keeps the exchanges from
-        hanging). Expert matrices differ between EP ranks: their presence is agreed within the expert domain first
-        (every rank, in that order), and a mismatch there travels in the job-wide flags as one more flag.
+    def presence(self, stale: list[int], in_flight: InFlight) -> list[int]:
+        """The step's one host-side collective (an element-wise MAX over every rank, gloo, no device tensor): which
+        waves any rank finds stale (``stale``: this rank's flags), and whether the ranks agree on which params have
+        a gradient: a mismatch is a ValueError on every rank here, before anything is applied (the per-wave check
+        on the lane only keeps the exchanges from hanging). A synchronous step calls it before it launches its
+        waves, which then skip their per-wave checks. Expert matrices differ between EP ranks: their presence is
+        agreed within the expert domain first (every rank, in that order), and a mismatch there travels in the
+        job-wide flags as one more flag.
 
         Returns:
             The job-wide stale flags.
+
+        Raises:
+            ValueError: some Muon params have a gradient on some ranks and not on others (nothing applied).
         """
+        if self.ctrl_group is None:
+            return stale
         dense = [m for m in self.muon if m.domain == 0]
         experts = [m for m in self.muon if m.domain == 1]
-        split = self._split_presence(experts, self._expert_ctrl, pending) if self._expert_ctrl else []
+        split = self._split_presence(experts, self.expert_ctrl, in_flight) if self.expert_ctrl else []
         have = [1 if m.param.grad is not None else 0 for m in dense]
         adamw = [1 if p.grad is not None else 0 for p in self.adamw_params]
         flags = torch.tensor(stale + have + [1 - h for h in have] + adamw + [1 if split else 0], dtype=torch.uint8)
-        self._agree(flags, self.ctrl_group, pending)
+        self._agree(flags, self.ctrl_group, in_flight)
         n, k, a = len(stale), len(have), len(adamw)
         split += [m.name for m, x, y in zip(dense, flags[n:n + k].tolist(), flags[n + k:n + 2 * k].tolist()) if x and y]
         anywhere = flags[n + 2 * k:n + 2 * k + a].tolist()
         self._adamw_elsewhere = {id(p) for p, mine, any_ in zip(self.adamw_params, adamw, anywhere)
                                  if any_ and not mine}
         if split or flags[-1]:
-            self.discard()
             raise ValueError(
                 f"OverlapMuon step(): Muon params {split[:8] or '(on another rank)'}{' ...' if len(split) > 8 else ''} "
                 "have a gradient on some ranks and not on others; every rank holding a param (every rank of its "
@@ -110,47 +120,51 @@ class Agreement:
             )
         return flags[:n].tolist()
 
-    def _split_presence(self, mps: list[MuonParam], group: dist.ProcessGroup, pending: dict[int, WaveState]
-                        ) -> list[str]:
+    def _split_presence(self, mps: list[MuonParam], group: dist.ProcessGroup, in_flight: InFlight) -> list[str]:
         """Names of the params of ``mps`` that have a gradient on some ranks of ``group`` and not on others."""
         have = [1 if m.param.grad is not None else 0 for m in mps]
         flags = torch.tensor(have + [1 - h for h in have], dtype=torch.uint8)
-        self._agree(flags, group, pending)
+        self._agree(flags, group, in_flight)
         k = len(have)
         return [m.name for m, a, b in zip(mps, flags[:k].tolist(), flags[k:].tolist()) if a and b]
 
-    def _agree(self, flags: Tensor, group: dist.ProcessGroup, pending: dict[int, WaveState]) -> None:
-        """The element-wise MAX of ``flags`` over every rank, in place (host tensors, gloo). A failure here (a dead or
-        stalled peer) usually fails the pending waves' exchanges too: report the first of those, which names the wave and
-        the exchange, else this one.
+    @staticmethod
+    def _agree(flags: Tensor, group: dist.ProcessGroup, in_flight: InFlight) -> None:
+        """:func:`max_everywhere`. A failure here (a dead or stalled peer) usually fails the waves in flight too:
+        report the first of those, which names the wave and the exchange, else this one.
 
         Raises:
-            RuntimeError: the agreement or a pending wave's exchange failed.
+            RuntimeError: the agreement or a wave in flight failed.
         """
         try:
             max_everywhere(flags, group)
         except Exception as e:
-            with self._lock:
-                states = list(self._applied.values()) + sorted(pending.values(), key=lambda st: st.wave.index)
-            for st in states:
+            for st in in_flight():
                 for h in st.handles():
-                    wait_handle(h, ())  # raises the wave's own error, chained
+                    h.wait()  # raises the wave's own error, chained
             ranks = dist.get_process_group_ranks(group)
             raise RuntimeError(
-                f"OverlapMuon step(): agreeing on which waves to re-run failed on rank {dist.get_rank()} (all_reduce "
-                f"over the runtime's gloo control group, global ranks {ranks}): {e}"
+                f"OverlapMuon step(): agreeing on which waves to re-run failed on rank {dist.get_rank()} (an "
+                f"element-wise max over the runtime's gloo control group, global ranks {ranks}): {e}"
             ) from e
 
-    def _agree_on_gradients(self, st: WaveState) -> None:
-        """Raise on every rank of the domain if its ranks disagree on which params of the wave have a gradient.
-
-        Host-side only ([Note: gradient presence without the device]): CPU uint8 flags, one ``all_to_all`` on the
-        domain's gloo group (every rank hears from every peer directly, so a dead peer shows at once).
+    def check_wave(self, st: WaveState, dom: Domain) -> None:
+        """Raise on every rank of the wave's domain ``dom`` if its ranks disagree on which params of the wave have a
+        gradient. Host-side only ([Note: gradient presence without the device]): CPU uint8 flags, one
+        ``all_to_all`` on the domain's gloo group (every rank hears from every peer directly, so a dead peer shows
+        at once).
 
         Raises:
             ValueError: some params have a gradient on some ranks of the domain and not on others.
+            RuntimeError: the collective failed (naming the wave, the group and the params).
         """
-        dom, params = self._doms[st.wave.domain][0], st.wave.params
+        params = st.wave.params
+        names = [self.muon[i].name for i in params]
+        run_collective(lambda: self._check(st, dom), f"wave {st.wave.index} a2a_to_home", names, dom, "all_to_all",
+                       True)
+
+    def _check(self, st: WaveState, dom: Domain) -> None:
+        params = st.wave.params
         n = dist.get_world_size(dom.ctrl_group)  # the domain, or (DP slots) every replica of it
         have = torch.tensor([1 if i in st.items else 0 for i in params], dtype=torch.uint8)
         everyone = torch.empty(n * have.numel(), dtype=torch.uint8)
@@ -164,6 +178,17 @@ class Agreement:
                 f"and not on others (this rank: {[self.muon[i].name for i in st.items if self.muon[i].name in split]} "
                 "have one); every rank of a domain must compute the same params' gradients"
             )
+
+    def all_finite(self) -> bool:
+        """True when every Muon gradient on every rank is finite (``skip_nonfinite``): device flags, one max of them
+        over every rank on the gloo control group. Reads one flag on the host: on CUDA a sync, once per step; the
+        option is off by default."""
+        grads = [m.local(m.param.grad) for m in self.muon if m.param.grad is not None]
+        bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any() if grads else torch.tensor(False)
+        flag = bad.to("cpu", torch.uint8).reshape(1)
+        if self.ctrl_group is not None:
+            max_everywhere(flag, self.ctrl_group)
+        return int(flag[0]) == 0
 
 
 def max_everywhere(flags: Tensor, group: dist.ProcessGroup) -> None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from . import builder
 from .config import OverlapMuonConfig
@@ -142,7 +143,7 @@ class ParamBinding:
         opt = self._opt()
         self.runtime.synchronize()
         self.runtime.discard()
-        foreign, lists, moved = builder.follow_groups(opt.param_groups, self._bound[1], self.names,
+        foreign, lists, moved = follow_groups(opt.param_groups, self._bound[1], self.names,
                                                       dict(self.model.named_parameters()))
         if foreign:
             raise ValueError(
@@ -151,12 +152,12 @@ class ParamBinding:
                 "new ones: build a new OverlapMuon on the changed model")
         mesh = dict(self.recipe["mesh"])
         if all(mesh[k] is None for k in ("device_mesh", "tp_group", "remat_group")):
-            mesh["device_mesh"] = builder.dtensor_mesh(lists[0])
+            mesh["device_mesh"] = dtensor_mesh(lists[0])
         placed = builder.place(self.model, self.config, self.rank, **dict(self.recipe, mesh=mesh))
-        errors = builder.rebind_errors(opt._state, moved, lists, placed)
+        errors = rebind_errors(opt._state, moved, lists, placed)
         if errors:
             raise ValueError(f"OverlapMuon: the params were replaced, but {'; '.join(errors[:4])}")
-        builder.move_state(opt._state, moved)
+        move_state(opt._state, moved)
         for group, params in zip(opt.param_groups, lists):
             group["params"] = params
         self.finalizer()
@@ -173,3 +174,74 @@ class ParamBinding:
         for stage in [ref() for ref in self._stages]:
             if stage is not None:
                 self.runtime.attach_pipeline_stage(stage)
+
+
+# [Note: following the param groups]: the re-binding's pieces.
+def follow_groups(groups: list[dict[str, Any]], bound: list[list[int]], names: dict[int, str],
+                  named: dict[str, Tensor]) -> tuple[list[str], list[list[Tensor]], list[tuple[int, Tensor]]]:
+    """Each group entry as the model's param: kept when it is one (Accelerate swapped it in), else the model's
+    param of the name the entry had (``fully_shard`` replaced it in the model only).
+
+    Args:
+        groups: the optimizer's param groups now; bound: the param ids per group at the last binding; names: param
+            id -> name at the last binding; named: the model's params by name now.
+
+    Returns:
+        ``(foreign, lists, moved)``: the entries that are neither (names or shapes, for the error), the new params
+        of each group, and ``(old param id, new param)`` for every entry that changed. Nothing is modified.
+    """
+    mine = {id(p) for p in named.values()}
+    foreign: list[str] = []
+    lists: list[list[Tensor]] = []
+    moved: list[tuple[int, Tensor]] = []
+    for gi, group in enumerate(groups):
+        was = bound[gi] if gi < len(bound) else []
+        if len(group["params"]) != len(was):
+            foreign.append(f"param group {gi} has {len(group['params'])} params, {len(was)} when it was built")
+            continue
+        new = []
+        for old_id, p in zip(was, group["params"]):
+            q = p if id(p) in mine else named.get(names.get(id(p), ""))
+            if q is None:
+                foreign.append(f"{names.get(id(p), 'an unnamed param')} of shape {tuple(p.shape)} (group {gi})")
+                continue
+            if id(q) != old_id:
+                moved.append((old_id, q))
+            new.append(q)
+        lists.append(new)
+    return foreign, lists, moved
+
+
+def dtensor_mesh(params: list[Tensor]) -> Any:
+    """The ``DeviceMesh`` of the first DTensor among ``params`` (``None`` without one)."""
+    return next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+
+
+def rebind_errors(state: dict[Tensor, Any], moved: list[tuple[int, Tensor]], lists: list[list[Tensor]],
+                  placed: builder.Placement) -> list[str]:
+    """Why the followed ``lists`` cannot be bound: the placement sorts them into other groups, or a replaced param's
+    state does not fit its successor (a different shape, or a plain tensor against a DTensor)."""
+    fresh = builder.group_params(placed.muon, placed.adamw_groups)
+    errors = [f"param group {gi} would hold {[tuple(p.shape) for p in b][:4]} by placement, "
+              f"{[tuple(p.shape) for p in a][:4]} by the groups" for gi, (a, b) in enumerate(zip(lists, fresh))
+              if [id(p) for p in a] != [id(p) for p in b]]
+    if len(lists) != len(fresh):
+        errors.append(f"placement makes {len(fresh)} param groups, the optimizer has {len(lists)}")
+    by_id = {id(k): k for k in state}
+    for old_id, new in moved:
+        for key, v in (state[by_id[old_id]] if old_id in by_id else {}).items():
+            if isinstance(v, Tensor) and v.ndim > 0 and (
+                    tuple(v.shape) != tuple(new.shape) or isinstance(v, DTensor) != isinstance(new, DTensor)
+                    or isinstance(v, DTensor) and v.placements != new.placements):
+                errors.append(f"its state {key!r} of shape {tuple(v.shape)} does not fit the new param of shape "
+                              f"{tuple(new.shape)}; replace the params before the first step, or load the state "
+                              "with load_state_dict after replacing them")
+    return errors
+
+
+def move_state(state: dict[Tensor, Any], moved: list[tuple[int, Tensor]]) -> None:
+    """Key each replaced param's state by its successor (checked by :func:`rebind_errors`)."""
+    by_id = {id(k): k for k in state}
+    for old_id, new in moved:
+        if old_id in by_id:
+            state[new] = state.pop(by_id[old_id])

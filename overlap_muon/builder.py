@@ -1,7 +1,9 @@
 """Building an ``OverlapMuon``, top to bottom: sort the params, place the Muon matrices in their domain, check
 everything on every rank, make the runtime's groups, plan the waves.
 
-Every function here runs once, at construction. Errors are raised on every rank before any collective of the
+Every function here runs at construction; ``place``, ``make_groups`` and ``plan`` run again when the optimizer
+re-binds params a framework replaced (``binding.py``), and ``plan`` once more when the observed gradient-ready order
+replaces the assumed one (``readiness_order="observed"``). Errors are raised on every rank before any collective of the
 runtime ([Note: what is checked where] below); the only collectives are the checks' own (``checks.py``) and the
 group creation (``comm.py``).
 
@@ -27,14 +29,14 @@ from .checks import differs_across_ranks, option_errors, raise_everywhere
 from .comm import CommContext, build_comm, stage_group, stage_replicas
 from .config import OverlapMuonConfig
 from .discovery import discover_expert_layouts, discover_layouts, discover_stages, mesh_dims, my_coords
-from .domain import MuonParam
+from .placement import MuonParam
 from .messages import warn_user
 from .muon_math import check_hyperparameters
 from .placement import place_params
 from .scheduler import plan_by_domain, plan_waves, plan_waves_by_cost
 from .scheduler.cost import ns_cost
 from .scheduler.kinds import WavePlan, plan_kinds
-from .scheduler.surplus import CPU_GLOO
+from .scheduler.surplus import CPU_GLOO, SurplusCostModel
 from .scheduler.waves import Wave
 from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
 
@@ -121,77 +123,6 @@ def param_groups(muon: list[MuonParam], adamw_groups: list[dict[str, Any]], adam
 def group_params(muon: list[MuonParam], adamw_groups: list[dict[str, Any]]) -> list[list[Tensor]]:
     """The params of each param group: the Muon group (a grouped expert weight once), then each AdamW group."""
     return [list({id(m.param): m.param for m in muon}.values())] + [list(g["params"]) for g in adamw_groups]
-
-
-# [Note: following the param groups] (``binding.ParamBinding.follow``): the re-binding's pieces.
-def follow_groups(groups: list[dict[str, Any]], bound: list[list[int]], names: dict[int, str],
-                  named: dict[str, Tensor]) -> tuple[list[str], list[list[Tensor]], list[tuple[int, Tensor]]]:
-    """Each group entry as the model's param: kept when it is one (Accelerate swapped it in), else the model's
-    param of the name the entry had (``fully_shard`` replaced it in the model only).
-
-    Args:
-        groups: the optimizer's param groups now; bound: the param ids per group at the last binding; names: param
-            id -> name at the last binding; named: the model's params by name now.
-
-    Returns:
-        ``(foreign, lists, moved)``: the entries that are neither (names or shapes, for the error), the new params
-        of each group, and ``(old param id, new param)`` for every entry that changed. Nothing is modified.
-    """
-    mine = {id(p) for p in named.values()}
-    foreign: list[str] = []
-    lists: list[list[Tensor]] = []
-    moved: list[tuple[int, Tensor]] = []
-    for gi, group in enumerate(groups):
-        was = bound[gi] if gi < len(bound) else []
-        if len(group["params"]) != len(was):
-            foreign.append(f"param group {gi} has {len(group['params'])} params, {len(was)} when it was built")
-            continue
-        new = []
-        for old_id, p in zip(was, group["params"]):
-            q = p if id(p) in mine else named.get(names.get(id(p), ""))
-            if q is None:
-                foreign.append(f"{names.get(id(p), 'an unnamed param')} of shape {tuple(p.shape)} (group {gi})")
-                continue
-            if id(q) != old_id:
-                moved.append((old_id, q))
-            new.append(q)
-        lists.append(new)
-    return foreign, lists, moved
-
-
-def dtensor_mesh(params: list[Tensor]) -> Any:
-    """The ``DeviceMesh`` of the first DTensor among ``params`` (``None`` without one)."""
-    return next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
-
-
-def rebind_errors(state: dict[Tensor, Any], moved: list[tuple[int, Tensor]], lists: list[list[Tensor]],
-                  placed: Placement) -> list[str]:
-    """Why the followed ``lists`` cannot be bound: the placement sorts them into other groups, or a replaced param's
-    state does not fit its successor (a different shape, or a plain tensor against a DTensor)."""
-    fresh = group_params(placed.muon, placed.adamw_groups)
-    errors = [f"param group {gi} would hold {[tuple(p.shape) for p in b][:4]} by placement, "
-              f"{[tuple(p.shape) for p in a][:4]} by the groups" for gi, (a, b) in enumerate(zip(lists, fresh))
-              if [id(p) for p in a] != [id(p) for p in b]]
-    if len(lists) != len(fresh):
-        errors.append(f"placement makes {len(fresh)} param groups, the optimizer has {len(lists)}")
-    by_id = {id(k): k for k in state}
-    for old_id, new in moved:
-        for key, v in (state[by_id[old_id]] if old_id in by_id else {}).items():
-            if isinstance(v, Tensor) and v.ndim > 0 and (
-                    tuple(v.shape) != tuple(new.shape) or isinstance(v, DTensor) != isinstance(new, DTensor)
-                    or isinstance(v, DTensor) and v.placements != new.placements):
-                errors.append(f"its state {key!r} of shape {tuple(v.shape)} does not fit the new param of shape "
-                              f"{tuple(new.shape)}; replace the params before the first step, or load the state "
-                              "with load_state_dict after replacing them")
-    return errors
-
-
-def move_state(state: dict[Tensor, Any], moved: list[tuple[int, Tensor]]) -> None:
-    """Key each replaced param's state by its successor (checked by :func:`rebind_errors`)."""
-    by_id = {id(k): k for k in state}
-    for old_id, new in moved:
-        if old_id in by_id:
-            state[new] = state.pop(by_id[old_id])
 
 
 def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter: Callable | None, experts: Any,
@@ -381,7 +312,8 @@ def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: Ov
         order: Muon indices in gradient-ready order.
         sizes: ``(dense, expert)`` domain sizes.
         dp_size: replicas sharing the dense domain's NS work (1: none).
-        cuda: the lanes run on CUDA (the surplus plan uses H200-class figures, else ``CPU_GLOO``'s).
+        cuda: the lanes run on CUDA streams (``cost_model="auto"`` then weighs H200-class figures, else
+            ``CPU_GLOO``'s).
     """
     cfg = config
 
@@ -395,9 +327,14 @@ def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: Ov
 
     waves = plan_by_domain(order, [m.domain for m in muon], one)
     plans = plan_kinds(waves, [m.full_shape for m in muon], list(sizes), mode=cfg.mode, surplus=cfg.surplus,
-                       fused=cfg.fused_a2a, dp_size=dp_size, cost_model=None if cuda else CPU_GLOO,
+                       fused=cfg.fused_a2a, dp_size=dp_size, cost_model=_cost_model(cfg.cost_model, cuda),
                        no_team={m.index for m in muon if m.transposed or m.parts is not None})  # NS'd whole instead
     return waves, plans
+
+
+def _cost_model(name: str, cuda: bool) -> SurplusCostModel:
+    """The surplus plan's machine figures for ``OverlapMuonConfig.cost_model``."""
+    return SurplusCostModel() if name == "cuda" or (name == "auto" and cuda) else CPU_GLOO
 
 
 def fsdp_roots(model: nn.Module) -> list[nn.Module]:

@@ -12,7 +12,7 @@ from .scheduler import first_plan_difference, param_fingerprints, plan_hash
 from .scheduler.waves import Wave
 
 from .config import OverlapMuonConfig
-from .domain import MuonParam
+from .placement import MuonParam
 
 __all__ = ["raise_everywhere", "check_plan_everywhere", "differs_across_ranks", "option_errors"]
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .domain import local_tensor
+from .placement import local_tensor
 
 try:
     from torch.distributed.tensor import DTensor

@@ -95,10 +95,15 @@ class OverlapMuonConfig:
     fused exchanges ``duplicate`` (and ``auto``) also run plans that give a matrix ``k`` of the
     ranks (its homes each get it and run its NS; only the other ranks get a scatter). Teams of part of the domain
     are simulated only ([Note: runtime wiring] in ``scheduler/surplus.py``)."""
+    cost_model: str = _opt("auto", "OVERLAP_MUON_COST_MODEL", choices=("auto", "cuda", "cpu_gloo"))
+    """The machine figures the surplus plan weighs (``surplus="auto"``, and how many homes ``duplicate`` gives a
+    matrix): ``cuda``, an H200-class node (``scheduler.SurplusCostModel()``); ``cpu_gloo``, gloo over CPU ranks
+    (``scheduler.surplus.CPU_GLOO``); ``auto``, ``cuda`` where the lanes run on CUDA streams and ``cpu_gloo``
+    elsewhere. The plan decides which waves exchange how, never the result of a bitwise kind."""
     dp_slots: bool = _opt(False, "OVERLAP_MUON_DP_SLOTS", kind=bool)
     """With replicate dims on the mesh (HSDP), the replicas of the dense domain share its NS work instead of each
     running all of it; results are swapped over the DP groups ([Note: DP replicas as NS slots] in
-    ``overlap_muon/pipeline.py``). Bitwise the same. Layer-sharded mode only."""
+    ``overlap_muon/comm.py``). Bitwise the same. Layer-sharded mode only."""
     check_grad_presence: bool = _opt(True, "OVERLAP_MUON_CHECK_GRAD_PRESENCE", kind=bool)
     """Each wave agrees, over the runtime's gloo group, on which params have a gradient (host flags only)."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)

@@ -1,27 +1,18 @@
 """Discovery: a ``DeviceMesh`` or explicit groups -> the layouts ``layout[g][t] = global rank`` of every domain.
 
 The dense ``remat x TP`` domains (:func:`mesh_dims`, :func:`discover_layouts`), the expert domains
-(:func:`discover_expert_layouts`, with [Note: two domains]), how a grouped expert DTensor lies on them
-(:func:`expert_placements`) and this rank's coordinates in its domain (:func:`my_coords`). The layout rule, :class:`~overlap_muon.domain.Domain` and the placement of each param are in
-``overlap_muon/domain.py``, which re-exports these names.
+(:func:`discover_expert_layouts`, with [Note: two domains]), the pipeline stages (:func:`discover_stages`) and this
+rank's coordinates in its domain (:func:`my_coords`). How each param lies in its domain is ``placement.py``'s.
 """
 
 from __future__ import annotations
-
-import math
 
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-try:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-except Exception:  # pragma: no cover
-    Replicate = Shard = _StridedShard = ()  # type: ignore[assignment,misc]
-
-__all__ = ["mesh_dims", "discover_layouts", "my_coords", "discover_expert_layouts", "expert_placements"]
+__all__ = ["mesh_dims", "discover_layouts", "my_coords", "discover_expert_layouts"]
 
 
 def mesh_dims(mesh: Any, remat_dim: str | None = "remat", tp_dim: str | None = "tp") -> tuple[
@@ -196,61 +187,3 @@ def discover_expert_layouts(
     if not initialized or dist.get_world_size() == 1:
         return None, None
     return [[[r]] for r in range(dist.get_world_size())], None
-
-
-def expert_placements(
-    name: str, p: Any, ep_dim: str, etp_dim: str, T: int
-) -> tuple[int | None, int, int, str | None]:
-    """How a 3-D ``(E, P, Q)`` expert DTensor lies on its mesh: ``(partition_dim, split_factor, ep_size, error)``.
-
-    Accepted placements, by mesh dim:
-
-    * ``ep_dim``: ``Shard(0)`` (``ep_size`` the dim's size) or ``Replicate`` (``ep_size`` 1);
-    * ``etp_dim``: ``Shard(1)`` / ``Shard(2)`` (``partition_dim`` 0 / 1 of each matrix), ``Replicate``
-      (``None``), or ``_StridedShard(1, split_factor=s)``: Hugging Face's ``packed_colwise`` on a fused
-      ``[gate; up]`` weight, where the rows are ``s`` pieces and ETP rank ``t`` holds row block ``t`` of every
-      piece (``partition_dim`` 0, ``split_factor`` ``s``; ``P`` must be a multiple of ``s*T``, which torch also
-      requires, so every rank holds ``P/T`` rows; ``overlap_muon.split.strided_parts`` puts the rows in place);
-    * any other dim (torchtitan's expert FSDP dim ``efsdp``): ``Replicate``; ``Shard(0)`` / ``_StridedShard(0)``,
-      which shards the experts further (torchtitan's ``(_StridedShard(0), Shard(0))`` on ``("efsdp", "ep")``:
-      each rank holds whole matrices of its own experts, so ``ep_size`` counts that dim too); any placement when
-      the dim has size 1 (a shard over one rank is the whole tensor). A shard of each matrix's rows or columns over
-      such a dim is an error (not supported yet).
-
-    ``split_factor`` is 1 unless the ETP placement is strided over ``T > 1`` ranks; a placement on a size-1 ETP dim
-    is the whole matrix (``partition_dim`` ``None``).
-
-    Returns:
-        ``error`` names the param, its shape, its placements and the expectation (or is ``None``).
-    """
-    names = tuple(p.device_mesh.mesh_dim_names or ())
-    by_name = dict(zip(names, p.placements))
-    size = {d: p.device_mesh.size(i) for i, d in enumerate(names)}
-    shape = tuple(p.shape)
-    expected = (f"expected Shard(0) or Replicate on {ep_dim!r}, Shard(1), Shard(2), _StridedShard(1) or Replicate on "
-                f"{etp_dim!r}, Shard(0), _StridedShard(0) or Replicate elsewhere (or any placement on a dim of size 1)")
-    fsdp = {d: x for d, x in by_name.items()
-            if d not in (ep_dim, etp_dim) and not isinstance(x, Replicate) and size[d] > 1}
-    rows = [d for d, x in fsdp.items() if not (isinstance(x, (Shard, _StridedShard)) and x.dim == 0)]
-    if rows:
-        d = rows[0]
-        return None, 1, 1, (f"expert param {name!r} (shape {shape}) has placements {by_name}: each expert matrix is "
-                            f"split over {d!r} (size {size[d]}), an expert FSDP layout that is not supported yet "
-                            f"(shard the experts, dim 0, over it instead); {expected}")
-    ep_pl, etp_pl = by_name.get(ep_dim, Replicate()), by_name.get(etp_dim, Replicate())
-    if not (isinstance(ep_pl, Replicate) or (isinstance(ep_pl, Shard) and ep_pl.dim == 0)):
-        return None, 1, 1, f"expert param {name!r} (shape {shape}) has placements {by_name}; {expected}"
-    ep_size = (size[ep_dim] if isinstance(ep_pl, Shard) else 1) * math.prod(size[d] for d in fsdp)
-    if isinstance(etp_pl, _StridedShard) and etp_pl.dim == 1:
-        sf = int(etp_pl.split_factor)
-        if T > 1 and shape[1] % (sf * T):
-            return None, 1, ep_size, (
-                f"expert param {name!r} (shape {shape}) has ETP placement {etp_pl} over {T} ranks: its {shape[1]} "
-                f"rows are not a multiple of split_factor * ETP = {sf * T}; expected an even strided shard")
-        return (0, sf, ep_size, None) if T > 1 else (None, 1, ep_size, None)
-    if isinstance(etp_pl, Shard) and etp_pl.dim in (1, 2):
-        return (etp_pl.dim - 1 if T > 1 else None), 1, ep_size, None  # a shard over a size-1 dim is the whole matrix
-    if isinstance(etp_pl, Replicate):
-        return None, 1, ep_size, None
-    return None, 1, ep_size, (f"expert param {name!r} (shape {shape}) has ETP placement {etp_pl}; expected Shard(1), "
-                              "Shard(2), _StridedShard(1) or Replicate")

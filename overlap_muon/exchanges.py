@@ -5,10 +5,12 @@ builds one :class:`Exchange` per wave from it, and the wave pipeline calls the s
 
 * ``to_compute(leg)``: from this rank's packed bf16 shards to the matrices this rank orthogonalizes (``leg.mats``,
   ``leg.homed``: whose matrix each is);
-* ``orthogonalize(leg, ns, kw)``: Newton-Schulz on them (``ns`` is the runtime's NS function for the kind);
+* ``orthogonalize(leg, kw)``: Newton-Schulz on them, the kind's own NS (plain or team) with the NS options ``kw``;
 * ``back_to_storage(leg)``: from the results to this rank's block of each result, in ``leg.positions`` order.
 
-To add an exchange kind, add a class here and a kind to the planner; nothing else branches on the kind.
+Each exchange runs its own collectives (an error names the wave, the exchange, the group and the params:
+``comm.run_collective``). To add an exchange kind, add a class here and a kind to the planner; nothing else
+branches on the kind.
 
 =============  ==================================================================================================
 kind           trip
@@ -37,17 +39,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import DPSlots
-from .domain import Domain, MuonParam
+from .comm import DPSlots, run_collective
+from .domain import Domain
+from .placement import MuonParam
 from .scheduler.kinds import WavePlan
 from .layer_sharded_a2a import all_gather_full, from_homes, from_team, local_shard, to_homes, to_team
-from .split import split_ns
+from .ns import split_ns, zeropower_each
+from .team_ns import team_zeropower_oriented
 
-__all__ = ["Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Local", "DPShared", "build_exchange",
-           "run_collective"]
-
-#: ``ns(mats, kw) -> outs``: the runtime's NS on a list of matrices (or, for ``team``, of team blocks).
-NSFn = Callable[[list[Any], dict[str, Any]], list[Tensor]]
+__all__ = ["Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Local", "DPShared", "build_exchange"]
 
 
 @dataclass(eq=False)
@@ -75,18 +75,37 @@ class Leg:
         self.packed = self.mats = self.outs = None  # type: ignore[assignment]
 
 
-@dataclass
+@dataclass(eq=False)
 class ExchangeContext:
-    """What every exchange of one runtime shares: the params, the fused/two-stage choice, the route-plan cache and
-    the error wrapper that names the wave and the exchange."""
+    """What every exchange of one runtime shares: the fused/two-stage choice, the NS options, the routing's caches
+    and the reserved buffers. Its two NS methods are what the kinds run (tests wrap them to watch or delay NS)."""
 
     fused: bool
-    route_plans: dict[Any, dict]
-    run: Callable[[int, list[int], str, Domain, Callable[[], Any], str], Any]
-    """``run(wave, params, phase, domain, fn, op)``: runs one collective; an error names the wave and the group."""
+    stats: dict[str, int]
+    """The optimizer's counters (``ns_matrices``, ``ns_calls``)."""
+    batch_ns: bool = False
+    team_group: Any = None
+    """A group over this rank's dense domain, for team NS (``surplus="team"``)."""
+    routes: dict[Any, dict] = field(default_factory=dict)
     buffers: dict[Any, dict] | None = None
     """CPU: each routed exchange's reserved buffers, by (direction, wave, params) ([Note: reserved exchange
     buffers] in ``layer_sharded_a2a/_route.py``); ``None``: fresh buffers each time (CUDA: the caching allocator)."""
+
+    def ns(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
+        """NS of each ``(P, Q)`` bf16 matrix (``ns.zeropower_each``; same-shape ones batched with ``batch_ns``)."""
+        return zeropower_each(mats, kw, self.batch_ns, self.stats)
+
+    def team_ns(self, work: list[tuple[list[Tensor], list[MuonParam], list[bool]]], kw: dict[str, Any]
+                ) -> list[Tensor]:
+        """[Note: team NS by columns] The wave's team blocks (``(P, Q)`` layout) of its matrices, NS'd in lockstep
+        over ``team_group`` (collective, in the same order on every rank). ``work`` is ``[(blocks, params,
+        split_poly)]``: one entry, so that a wrapper sees one call."""
+        ((blocks, mps, split),) = work
+        self.stats["ns_matrices"] += len(blocks)
+        self.stats["ns_calls"] += len(blocks)
+        tall = [m.full_shape[0] > m.full_shape[1] for m in mps]
+        kw = {k: v for k, v in kw.items() if k != "gram"}  # team NS keeps the plain iteration
+        return team_zeropower_oriented(blocks, tall, self.team_group, split, kw)
 
 
 class Exchange:
@@ -94,8 +113,6 @@ class Exchange:
     lanes' own groups (one group set per communicating lane, ``lanes.py``)."""
 
     kind = "?"
-    ns_kind = "plain"
-    """Which NS the runtime runs for it: ``plain`` (``zeropower`` per matrix) or ``team``."""
     op = "all_to_all"
     """The collective named in errors."""
 
@@ -105,13 +122,13 @@ class Exchange:
     def to_compute(self, leg: Leg) -> None:
         raise NotImplementedError
 
-    def orthogonalize(self, leg: Leg, ns: NSFn, kw: dict[str, Any]) -> list[Tensor]:
+    def orthogonalize(self, leg: Leg, kw: dict[str, Any]) -> list[Tensor]:
         """NS of each matrix of ``leg``, ``(P, Q)`` bf16 in, ``(P, Q)`` bf16 out. [Note: transposed weights]: a weight
         stored ``(in, out)`` (HF ``Conv1D``) is the ``(out, in)`` linear ``W^T``: NS runs on a contiguous copy of
         ``W^T``, exactly the matrix ``torch.optim.Muon`` sees for the equivalent ``nn.Linear``, and the result goes
         back to the stored layout; a split param is orthogonalized as its parts (``overlap_muon.split``)."""
         mats = [f.T.contiguous() if m.transposed else f for f, m in zip(leg.mats, leg.homed)]
-        outs = split_ns(mats, [m.parts for m in leg.homed], lambda ms: ns(ms, kw))
+        outs = split_ns(mats, [m.parts for m in leg.homed], lambda ms: self.ctx.ns(ms, kw))
         return [o.T.contiguous() if m.transposed else o for o, m in zip(outs, leg.homed)]
 
     def back_to_storage(self, leg: Leg) -> list[Tensor]:
@@ -122,11 +139,14 @@ class Exchange:
         return True
 
     def _run(self, leg: Leg, phase: str, dom: Domain, fn: Callable[[], Any]) -> Any:
-        return self.ctx.run(self.index, [m.index for m in leg.params], phase, dom, fn, self.op)
+        """Run this exchange's collective ``fn``; an error names the wave, the phase, the group and the params."""
+        return run_collective(fn, f"wave {self.index} {phase}", [m.name for m in leg.params], dom, self.op,
+                              self.ctx.fused)
 
-    def _plan(self, what: str, leg: Leg) -> dict:
-        """The route-plan cache entry of this wave's ``what`` exchange for the params present now."""
-        return self.ctx.route_plans.setdefault((what, self.index, tuple(m.index for m in leg.params)), {})
+    def _route(self, what: str, leg: Leg) -> dict:
+        """The routing's cache (its ``plan=`` dict: the metadata of the exchange) of this wave's ``what`` exchange for
+        the params present now."""
+        return self.ctx.routes.setdefault((what, self.index, tuple(m.index for m in leg.params)), {})
 
     def _buffers(self, what: str, leg: Leg) -> dict | None:
         """This wave's reserved buffers for its ``what`` exchange (``None`` where the context keeps none)."""
@@ -140,7 +160,7 @@ class Exchange:
 
 
 class Local(Exchange):
-    """The matrices are whole here: no exchange ([Note: replicated params] in ``domain.py``)."""
+    """The matrices are whole here: no exchange ([Note: replicated params] in ``placement.py``)."""
 
     kind = "local"
 
@@ -169,7 +189,7 @@ class Team(Exchange):
     """Team NS by columns: each rank gets its column block of every matrix's long dim, the domain splits each NS
     (``split_poly``: per param, whether the ``A @ A`` product is split by rows too; decided by the planner)."""
 
-    kind, ns_kind = "team", "team"
+    kind = "team"
 
     def __init__(self, ctx: ExchangeContext, index: int, dom_to: Domain, dom_from: Domain,
                  split_poly: dict[int, bool]) -> None:
@@ -177,16 +197,16 @@ class Team(Exchange):
         self.split_poly = split_poly
 
     def to_compute(self, leg: Leg) -> None:
-        pds, shapes, dom, plan = *self._layout(leg), self.dom_to, self._plan("to_team", leg)
-        leg.mats = self._run(leg, "a2a_to_home", dom, lambda: to_team(leg.packed, pds, shapes, dom, plan))
+        pds, shapes, dom, route = *self._layout(leg), self.dom_to, self._route("to_team", leg)
+        leg.mats = self._run(leg, "a2a_to_home", dom, lambda: to_team(leg.packed, pds, shapes, dom, route))
         leg.homed = list(leg.params)
 
-    def orthogonalize(self, leg: Leg, ns: NSFn, kw: dict[str, Any]) -> list[Tensor]:
-        return ns([(leg.mats, leg.homed, [self.split_poly[m.index] for m in leg.homed])], kw)
+    def orthogonalize(self, leg: Leg, kw: dict[str, Any]) -> list[Tensor]:
+        return self.ctx.team_ns([(leg.mats, leg.homed, [self.split_poly[m.index] for m in leg.homed])], kw)
 
     def back_to_storage(self, leg: Leg) -> list[Tensor]:
-        pds, shapes, dom, plan = *self._layout(leg), self.dom_from, self._plan("from_team", leg)
-        return self._run(leg, "a2a_from_home", dom, lambda: from_team(leg.outs, pds, shapes, dom, plan))
+        pds, shapes, dom, route = *self._layout(leg), self.dom_from, self._route("from_team", leg)
+        return self._run(leg, "a2a_from_home", dom, lambda: from_team(leg.outs, pds, shapes, dom, route))
 
 
 class Routed(Exchange):
@@ -214,9 +234,9 @@ class Routed(Exchange):
         copies, (pds, shapes), dom = self._copies(leg), self._layout(leg), self.dom_to
         homes = [h for _, h in copies]
         cp, cpds, cshapes = ([v[x] for x, _ in copies] for v in (leg.packed, pds, shapes))
-        plan, fused, buf = self._plan("to", leg), self.ctx.fused, self._buffers("to", leg)
+        route, fused, buf = self._route("to", leg), self.ctx.fused, self._buffers("to", leg)
         leg.mats, mine = self._run(leg, "a2a_to_home", dom, lambda: to_homes(cp, homes, cpds, cshapes, dom,
-                                                                            fused=fused, plan=plan, buffers=buf))
+                                                                            fused=fused, plan=route, buffers=buf))
         leg.homed = [leg.params[copies[v][0]] for v in mine]
         leg.route = (copies, mine)
 
@@ -225,9 +245,9 @@ class Routed(Exchange):
         homes = [h for _, h in copies]
         cp, cpds, cshapes = ([v[x] for x, _ in copies] for v in (leg.packed, pds, shapes))
         serve = self._serve(leg, copies, dom.size)
-        plan, fused, buf = self._plan("from", leg), self.ctx.fused, self._buffers("from", leg)
+        route, fused, buf = self._route("from", leg), self.ctx.fused, self._buffers("from", leg)
         got = self._run(leg, "a2a_from_home", dom, lambda: from_homes(leg.outs, mine, cp, homes, cpds, cshapes, dom,
-                                                                     fused=fused, plan=plan, serve=serve, buffers=buf))
+                                                                     fused=fused, plan=route, serve=serve, buffers=buf))
         updates: list[Tensor | None] = [None] * len(leg.params)
         for v, (x, _) in enumerate(copies):
             if serve is None or dom.flat_rank in serve[v]:
@@ -311,23 +331,3 @@ def build_exchange(p: WavePlan, ctx: ExchangeContext, doms: tuple[Domain, Domain
         inner = Routed(ctx, w.index, dom_to, dom_from, {i: h // D for i, h in w.homes.items()}, {})
         return DPShared(inner, dp, {i: h % D for i, h in w.homes.items()})
     return Routed(ctx, w.index, dom_to, dom_from, dict(w.homes), {i: (hs, sv) for i, hs, sv in p.dup})
-
-
-def run_collective(fn: Callable[[], Any], what: str, names: list[str], dom: Domain, op: str, fused: bool) -> Any:
-    """``fn()``, a collective; any error but a ``ValueError`` (bad input, already named and raised on every rank
-    before the collective) becomes a ``RuntimeError`` naming ``what`` (the wave and phase), the collective, the group
-    and ``names`` (the params), with the original chained."""
-    try:
-        return fn()
-    except ValueError:
-        raise
-    except Exception as e:
-        if fused or op == "all_gather":
-            g, kind = dom.flat_group, "flat R x T group"
-        else:
-            g, kind = dom.remat_group or dom.tp_group, "remat/TP groups"
-        ranks = dist.get_process_group_ranks(g) if g is not None else [dist.get_rank()]
-        raise RuntimeError(
-            f"OverlapMuon {what} failed on rank {dist.get_rank()} ({'fused' if fused else 'two-stage'} {op} over the "
-            f"runtime's {kind} {dom.remat_size}x{dom.tp_size}, global ranks {ranks}; params {names}): {e}"
-        ) from e

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .domain import MuonParam
+from .placement import MuonParam
 from .hooks import compile_boundary, fsdp_param_streams, params_read_by_module, register_forward_waits, weak_callback
 from .messages import warn_user
 

@@ -1,10 +1,16 @@
-"""The lane context: every side stream / worker thread of the runtime lives here.
+"""The lane context: every side stream / worker thread of the runtime lives here, and the profiler ranges its
+tasks run in.
 
-A wave runs as three tasks on three lanes, each lane FIFO in wave order (docs/design.md, invariant 2):
+A wave runs as up to six tasks on three lanes, each lane FIFO in wave order (docs/design.md, invariant 2):
 
-- ``to_home``   -- momentum update + bf16 cast + pack, then the ``all_to_all`` to the NS homes;
-- ``compute``   -- batched NS on the home;
-- ``from_home`` -- the ``all_to_all`` back to the shards, then the update applied to the param shards.
+- ``to_home``   -- ``check`` (the gradient-presence check, when the wave runs one), ``pack`` (momentum, Nesterov,
+  bf16 cast) and ``a2a_to_home`` (the exchange to the ranks that orthogonalize each matrix);
+- ``compute``   -- ``ns``, on what this rank orthogonalizes;
+- ``from_home`` -- ``a2a_from_home`` (the exchange back to the shards), then ``apply`` (queued by ``step()``).
+
+Every task runs inside a ``torch.profiler.record_function`` range named ``OverlapMuon::wave{k}::{phase}`` (and an
+NVTX range with ``nvtx``), so a ``torch.profiler`` trace and an Nsight Systems timeline (``nsys profile
+--trace=cuda,nvtx,osrt``) show the same ranges.
 
 [Note: one process-group set per communicating lane] ``to_home`` and ``from_home`` issue collectives
 concurrently (wave k+1's gather while wave k's scatter), so each uses its own process groups: on each group
@@ -26,14 +32,45 @@ Backends:
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["Lanes", "LaneHandle", "LANES"]
+__all__ = ["Lanes", "LaneHandle", "LANES", "PHASES", "prof_range", "wave_range_name"]
 
 LANES = ("to_home", "compute", "from_home")
+
+#: The ranged phases of one wave, in pipeline order.
+PHASES = ("pack", "a2a_to_home", "ns", "a2a_from_home", "apply")
+
+try:  # the nvtx package is a declared dependency, but keep the CPU path alive without it
+    import nvtx as _nvtx
+except Exception:  # pragma: no cover
+    _nvtx = None
+
+
+def wave_range_name(wave: int, phase: str) -> str:
+    """``OverlapMuon::wave{wave}::{phase}``."""
+    return f"OverlapMuon::wave{wave}::{phase}"
+
+
+@contextlib.contextmanager
+def prof_range(name: str, *, nvtx: bool = False) -> Iterator[None]:
+    """Emit ``name`` as a ``record_function`` range, and as an NVTX range when ``nvtx`` is True."""
+    nv = None
+    if nvtx:
+        if _nvtx is not None:
+            nv = _nvtx.annotate(name, domain="OverlapMuon")
+        elif torch.cuda.is_available():
+            nv = torch.cuda.nvtx.range(name)
+    with torch.profiler.record_function(name):
+        if nv is None:
+            yield
+        else:
+            with nv:
+                yield
 
 
 class LaneHandle:
@@ -73,12 +110,28 @@ class LaneHandle:
             return bool(self.event.query())
         return True
 
-    def wait_on_current_stream(self) -> None:
-        """Make the caller wait: CUDA: the current stream waits on the event (host returns); else host wait."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
-        else:
-            self.result()
+    def wait(self, streams: Sequence[Any] = ()) -> None:
+        """Make the caller wait for the task (CPU: the host; CUDA: the current stream and ``streams``, the host
+        returns); raise its error (a ``ValueError`` stays one: bad input found on a lane is raised on every rank).
+
+        Raises:
+            ValueError: the task found bad input (the gradient-presence check).
+            RuntimeError: the task failed; its exception is chained.
+        """
+        try:
+            if self.event is not None:
+                torch.cuda.current_stream().wait_event(self.event)
+                for s in streams:
+                    s.wait_event(self.event)
+            else:
+                self.result()
+        except ValueError as e:
+            raise ValueError(f"OverlapMuon: {e}") from e
+        except BaseException as e:
+            raise RuntimeError(
+                f"OverlapMuon: a {self.lane} lane task failed (see the chained exception for its traceback); "
+                "the step's Muon update is incomplete"
+            ) from e
 
 
 class Lanes:
@@ -87,10 +140,11 @@ class Lanes:
     Args:
         device: where the Muon params live.
         side_streams: False runs every task inline on the calling thread.
+        nvtx: the tasks' ranges are NVTX ranges too.
     """
 
-    def __init__(self, device: torch.device, *, side_streams: bool = True) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, *, side_streams: bool = True, nvtx: bool = False) -> None:
+        self.device, self.nvtx = device, nvtx
         self.cuda = device.type == "cuda" and side_streams
         self.inline = not side_streams
         self._executors: dict[str, cf.ThreadPoolExecutor] = {}
@@ -106,8 +160,9 @@ class Lanes:
             for name in LANES:
                 self._executors[name] = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"overlap_muon_{name}")
 
-    def submit(self, lane: str, fn: Callable[[], Any], deps: Sequence[LaneHandle] = ()) -> LaneHandle:
-        """Run ``fn()`` on ``lane`` after ``deps``; return its handle.
+    def submit(self, lane: str, fn: Callable[[], Any], deps: Sequence[LaneHandle] = (), name: str | None = None
+               ) -> LaneHandle:
+        """Run ``fn()`` on ``lane`` after ``deps``, inside the profiler range ``name`` (if any); return its handle.
 
         CPU: ``fn`` runs on the lane's thread under ``torch.no_grad()`` (grad mode is thread-local) after every
         dependency's future has resolved (a failed dependency fails this task with the same error).
@@ -116,6 +171,9 @@ class Lanes:
         value are kept by the caller (``WaveState``) until its event completes.
         """
         h = LaneHandle(lane)
+        if name is not None:
+            fn = _ranged(fn, name, self.nvtx)
+
         def run() -> Any:
             for d in deps:
                 d.result()
@@ -161,3 +219,11 @@ class Lanes:
         for ex in self._executors.values():
             ex.shutdown(wait=wait)
         self._executors.clear()
+
+
+def _ranged(fn: Callable[[], Any], name: str, nvtx: bool) -> Callable[[], Any]:
+    def call() -> Any:
+        with prof_range(name, nvtx=nvtx):
+            return fn()
+
+    return call

@@ -1,11 +1,13 @@
-"""The ``torch.chunk`` split rule, the one every shard layout and team split of the project follows.
+"""The shard-index rule: ``torch.chunk`` splits (:func:`chunk_sizes`), and which block of a full ``(P, Q)`` matrix
+each rank of an ``R x T`` domain holds (:func:`block`). Every shard layout and team split of the project follows it.
 
 Pure Python (no torch): the planner (``overlap_muon.scheduler``) imports it as well as the layout and math modules,
 which in turn never import the planner (``tests/test_structure.py``)."""
 
 from __future__ import annotations
 
-__all__ = ["chunk_sizes", "team_row_counts", "GRAM_MIN_ASPECT", "gram_wins"]
+__all__ = ["chunk_sizes", "chunk_offsets", "block", "block_shape", "team_row_counts", "GRAM_MIN_ASPECT",
+           "gram_wins"]
 
 #: Gram NS runs on a matrix whose long side is at least this many times its short side (``gram_ns=True``):
 #: FLOPs per NS, plain ``(20k + 10) n^3`` vs Gram ``(8k + 28) n^3`` for an ``n x kn`` matrix and 5 steps, equal at
@@ -55,3 +57,44 @@ def team_row_counts(m: int, k: int) -> list[int]:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"team size must be an int >= 1, got {k!r}")
     return chunk_sizes(m, k)
+
+
+def chunk_offsets(n: int, parts: int) -> list[int]:
+    """Start offsets of the blocks of :func:`chunk_sizes` (``parts + 1`` entries, the last is ``n``)."""
+    offs = [0]
+    for s in chunk_sizes(n, parts):
+        offs.append(offs[-1] + s)
+    return offs
+
+
+def block(
+    full_shape: tuple[int, int], partition_dim: int | None, R: int, T: int, g: int, t: int
+) -> tuple[int, int, int, int]:
+    """``(row0, rows, col0, cols)`` of rank ``(g, t)``'s block of a full ``(P, Q)`` matrix: THE layout rule.
+
+    docs/design.md §2 (``torch.chunk`` splits, blocks may be uneven or empty), which is what FSDP2
+    ``fully_shard`` over the remat dim plus DTensor TP produce:
+
+    * ``partition_dim=0``: TP splits the rows into T blocks, remat splits TP block ``t``'s rows into R; rank
+      ``(g, t)`` holds row block ``t*R + g`` (FSDP2's ``_StridedShard(0)`` order), all columns;
+    * ``partition_dim=1``: remat splits the rows into R, TP the columns into T; rank ``(g, t)`` holds block
+      ``(g, t)``;
+    * ``partition_dim=None``: remat splits the rows into R; TP peers hold copies of row block ``g``.
+
+    Every module that needs a block (the optimizer's param checks, the routing, the benchmarks) calls this.
+    """
+    P, Q = full_shape
+    if partition_dim == 0:
+        tp_rows, tp_off = chunk_sizes(P, T)[t], chunk_offsets(P, T)[t]
+        return tp_off + chunk_offsets(tp_rows, R)[g], chunk_sizes(tp_rows, R)[g], 0, Q
+    if partition_dim == 1:
+        return chunk_offsets(P, R)[g], chunk_sizes(P, R)[g], chunk_offsets(Q, T)[t], chunk_sizes(Q, T)[t]
+    return chunk_offsets(P, R)[g], chunk_sizes(P, R)[g], 0, Q
+
+
+def block_shape(
+    full_shape: tuple[int, int], partition_dim: int | None, R: int, T: int, g: int, t: int
+) -> tuple[int, int]:
+    """``(rows, cols)`` of rank ``(g, t)``'s block (:func:`block`)."""
+    _, rows, _, cols = block(full_shape, partition_dim, R, T, g, t)
+    return rows, cols

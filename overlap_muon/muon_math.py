@@ -55,7 +55,7 @@ from .ns import _schedule, adjusted_lr
 
 
 __all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update", "CommitAtApply",
-           "KeepForApply", "CommitAtPack"]
+           "KeepForApply", "CommitAtPack", "create_momentum"]
 
 
 def check_hyperparameters(
@@ -135,7 +135,7 @@ def apply_update(
         weight_decay: ``lambda``.
         adjust_lr_fn: ``None``/``"original"``/``"match_rms_adamw"`` (:func:`overlap_muon.ns.adjusted_lr`).
         full_shape: the FULL logical ``(P, Q)`` of the matrix, never the shard's.
-        region: ``(row0, rows, col0, cols)`` of the shard in the full matrix (``overlap_muon.domain.block``);
+        region: ``(row0, rows, col0, cols)`` of the shard in the full matrix (``overlap_muon.layout.block``);
             ``None``: the shard is the whole matrix.
     """
     param.mul_(1 - lr * weight_decay)
@@ -262,3 +262,11 @@ class CommitAtPack(CommitAtApply):
 
     def commit(self, j: int, buf: Tensor, grad: Tensor, momentum: float) -> None:
         return None
+
+
+def create_momentum(state: dict, muon: Sequence[Any]) -> None:
+    """Zero momentum for the params of ``muon`` that have a gradient and no momentum yet, created on the calling
+    thread (``step()``) before any lane task writes it."""
+    for m in muon:
+        if m.param.grad is not None and "momentum_buffer" not in state.get(m.param, ()):
+            state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)

@@ -8,7 +8,7 @@ planner's (``overlap_muon.scheduler.cost``); this module, like every math and la
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -17,7 +17,7 @@ from .layout import GRAM_MIN_ASPECT, gram_wins
 
 
 __all__ = ["zeropower", "zeropower_each", "adjusted_lr", "gram_zeropower", "gram_wins",
-           "DEFAULT_NS_COEFFICIENTS", "SYRK_BLOCK", "GRAM_MIN_ASPECT", "GRAM_RESTARTS", "sym_gram", "sym_poly"]
+           "DEFAULT_NS_COEFFICIENTS", "SYRK_BLOCK", "GRAM_MIN_ASPECT", "GRAM_RESTARTS", "sym_gram", "sym_poly", "split_ns"]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -334,3 +334,38 @@ def zeropower_each(mats: Sequence[Tensor], kw: dict, batch: bool, stats: dict[st
             for r, j in enumerate(js):
                 out[j] = res[r]
     return out  # type: ignore[return-value]
+
+
+def split_ns(fulls: Sequence[Tensor], parts: Sequence[Sequence[Sequence[int]] | None],
+             ns_many: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
+    """NS of each full matrix, or of each of its parts put back in place; ``ns_many`` batches by shape.
+
+    Args:
+        fulls: ``(P, Q)`` bf16 matrices assembled on this home.
+        parts: per matrix, its row sets (``None``: the whole matrix).
+        ns_many: list of matrices -> list of their NS results.
+
+    Returns:
+        ``(P, Q)`` bf16 results, one per input.
+    """
+    mats: list[Tensor] = []
+    where: list[tuple[int, Tensor | None]] = []
+    for j, (full, rows) in enumerate(zip(fulls, parts)):
+        if rows is None:
+            mats.append(full)
+            where.append((j, None))
+            continue
+        for r in rows:
+            idx = torch.tensor(r, device=full.device)
+            mats.append(full.index_select(0, idx))
+            where.append((j, idx))
+    outs = ns_many(mats)
+    result: list[Tensor | None] = [None] * len(fulls)
+    for (j, idx), o in zip(where, outs):
+        if idx is None:
+            result[j] = o
+            continue
+        if result[j] is None:
+            result[j] = torch.empty(fulls[j].shape, dtype=o.dtype, device=o.device)
+        result[j].index_copy_(0, idx, o)
+    return result  # type: ignore[return-value]

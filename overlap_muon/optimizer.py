@@ -71,7 +71,7 @@ class OverlapMuon(torch.optim.Optimizer):
             is TP only when its dim is named ``tp_dim``, else remat only.
         remat_dim, tp_dim: see ``device_mesh`` (torchtitan: ``remat_dim="dp_shard"`` or ``"fsdp"``).
         tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``; a plain
-            param without one holds the whole matrix and is replicated: [Note: replicated params] in ``domain.py``).
+            param without one holds the whole matrix and is replicated: [Note: replicated params] in ``placement.py``).
         experts: the expert params (MoE), routed on their own domain ([Note: two domains] in ``discovery.py``): a
             pattern of names, a list of them, or a ``(name, param) -> bool`` callable; a 2-D linear of one expert, or
             a 3-D ``(E, P, Q)`` grouped weight (``E`` matrices, each as ``torch.optim.Muon`` on its own param).
@@ -184,7 +184,7 @@ class OverlapMuon(torch.optim.Optimizer):
         """The optimizer state, ``torch.optim.Optimizer.state``: ``state[param]`` holds ``"momentum_buffer"`` (Muon,
         sharded as its param) or AdamW's ``"step"``, ``"exp_avg"``, ``"exp_avg_sq"``. It may be edited, cleared or
         replaced (``opt.state = defaultdict(dict)``) between steps or between backward and ``step()``, as with
-        torch's optimizers: the next step uses what it holds then ([Note: a wave's reads] in ``reads.py``). With
+        torch's optimizers: the next step uses what it holds then ([Note: a wave's reads] in ``wave_state.py``). With
         ``async_step``, reading or setting it first waits for the last step's updates (CPU: the host waits; CUDA:
         the current stream), so that an edit lands after them, as it would after torch's ``step()``."""
         self._await_updates()
@@ -386,7 +386,7 @@ class OverlapMuon(torch.optim.Optimizer):
 
     waves = property(lambda self: list(self._rt.waves),
                      doc="The current wave plan (``Wave``: param indices into :attr:`muon_param_names`).")
-    wave_plans = property(lambda self: list(self._rt.plans), doc="The frozen plan of every wave (``overlap_muon."
+    wave_plans = property(lambda self: list(self._rt.wave_plans), doc="The frozen plan of every wave (``overlap_muon."
                           "scheduler.kinds.WavePlan``: params, homes, exchange kind).")
     muon_param_names = property(lambda self: [m.name for m in self._muon],
                                 doc="Names of the Muon params, in registration order (the indices waves use).")

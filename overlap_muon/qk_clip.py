@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .domain import Domain, block
+from .domain import Domain
+
+from .layout import block
 from .sorting import name_matches
 from .split import QKVSplit
 
@@ -40,7 +42,7 @@ try:
 except Exception:  # pragma: no cover
     DTensor = ()  # type: ignore[assignment]
 
-__all__ = ["QKClip", "record_max_logits", "max_logits", "qk_clip_reference", "ATTR"]
+__all__ = ["QKClip", "record_max_logits", "max_logits", "ATTR"]
 
 #: The attribute of the attention module that holds its recorded per-head max logits (float32, ``(local heads,)``).
 ATTR = "max_attn_logits"
@@ -156,13 +158,6 @@ def _row_factors(spec: QKClip, s: Tensor, which: str, n_rows: int) -> Tensor:
     return out
 
 
-def qk_clip_reference(spec: QKClip, s: Tensor, weights: Sequence[tuple[str, Tensor]]) -> None:
-    """The rule on whole weights, in place: ``weights`` are ``("q" | "k" | "qkv", full weight)`` of one layer,
-    ``s`` its heads' max logits. The plain reference the tests compare the distributed path with."""
-    for which, w in weights:
-        w.mul_(_row_factors(spec, s, which, w.shape[0]).to(w.device)[:, None])
-
-
 class QKClipper:
     """The clip of one optimizer: its layers' weights, their recorded logits, and the step-time scaling.
 
@@ -171,7 +166,7 @@ class QKClipper:
         model: the model (the attention modules are found from the weights' names).
         muon: the optimizer's Muon params (``domain.MuonParam``), for names, shapes and layouts.
         domain: this rank's place in the weight-shard domain (``domain.Domain``): a TP shard of the attention
-            records heads ``[t*h/T, (t+1)*h/T)``, and a plain shard holds the rows ``domain.block`` gives.
+            records heads ``[t*h/T, (t+1)*h/T)``, and a plain shard holds the rows ``layout.block`` gives.
         group: the group over which the max is taken (every rank of the stage: TP peers and data-parallel
             ranks), or ``None`` in one process.
 

@@ -17,16 +17,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import builder, version_fix
+from .agreement import Agreement
 from .checks import check_plan_everywhere
 from .clip import clip_grads_by_total_norm_
 from .comm import CommContext
-from .domain import local_tensor
+from .placement import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
 from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
 from .messages import warn_user
 from .pipeline import WavePipeline
 from .scheduler import ReadinessRecorder, WaveDispatcher
-from .reads import Hyper
+from .wave_state import Hyper
 
 __all__ = ["Runtime", "StepPhase"]
 
@@ -80,12 +81,11 @@ class Runtime:
         adamw_params = [p for g in groups()[1:] for p in g["params"]]
         self.muon, self.config, self._group = muon, config, lambda: groups()[0]
         device = local_tensor(muon[0].param).device if muon else torch.device("cpu")
-        self.pipeline = WavePipeline(muon, state, comm.dom_to, comm.dom_from, config, device, stats, comm.ctrl,
-                                     expert_doms=comm.expert, dp_slots=comm.dp, team_group=comm.team)
+        self.agreement = Agreement(muon, comm.ctrl, comm.expert[2] if comm.expert else None, adamw_params)
+        self.pipeline = WavePipeline(muon, state, comm, config, device, stats, self.agreement)
         self.async_step = config.overlap and config.async_step
-        self.pipeline.keep_momentum = self.async_step  # the apply runs after step() returns: it must not read .grad
-        self.pipeline.adamw_params = adamw_params
         self.sizes = (comm.dom_to.size, comm.expert[0].size if comm.expert else 1)
+        self.dp_size = comm.dp.size if comm.dp is not None else 1
         self.index = ParamIndex(muon)
         self.costs = builder.ns_costs(muon, ns_steps, config.gram_ns)
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
@@ -94,9 +94,9 @@ class Runtime:
         self.tracker: GradReadyTracker | None = None
         self.waits: ForwardWaits | None = None
         self.fsdp_roots: list[nn.Module] = []
-        self.plan(list(reversed(range(len(muon)))))
+        self.plan_waves(list(reversed(range(len(muon)))))
         self.stage_root = comm.stage_root
-        check_plan_everywhere(muon, self.waves, [p.describe() for p in self.plans], comm.stages)
+        check_plan_everywhere(muon, self.waves, [p.describe() for p in self.wave_plans], comm.stages)
 
     # verbs of the optimizer
     def discard(self) -> None:
@@ -121,21 +121,20 @@ class Runtime:
         self.pipeline.state = state
 
     def adamw_elsewhere(self) -> set[int]:
-        """The AdamW params that had a gradient on another rank only (``WavePipeline.adamw_elsewhere``)."""
-        return self.pipeline.adamw_elsewhere()
+        """The AdamW params that had a gradient on another rank only (``Agreement.adamw_elsewhere``)."""
+        return self.agreement.adamw_elsewhere()
 
     def register_wait(self, module: nn.Module, params: Any) -> None:
         """``async_step``: ``module``'s forward waits for ``params``' updates (nothing to do otherwise)."""
         if self.waits is not None:
             self.waits.register_wait(module, params)
 
-    def plan(self, order: list[int]) -> None:
+    def plan_waves(self, order: list[int]) -> None:
         """Plan the waves for a gradient-ready ``order`` (``builder.plan``); hand their frozen plans to the
         pipeline."""
-        dp = self.pipeline.dp
-        self.waves, self.plans = builder.plan(order, self.muon, self.costs, self.config, self.sizes,
-                                              dp.size if dp is not None else 1, self.pipeline.lanes.cuda)
-        self.pipeline.set_plans(self.plans)
+        self.waves, self.wave_plans = builder.plan(order, self.muon, self.costs, self.config, self.sizes,
+                                                   self.dp_size, self.pipeline.lanes.cuda)
+        self.pipeline.set_plans(self.wave_plans)
         self.index.wave_of = {i: w.index for w in self.waves for i in w.params}
         self.dispatcher = WaveDispatcher(self.waves, self._launch)
 
@@ -216,7 +215,7 @@ class Runtime:
         order: the norm of the stacked norms depends on it, as in ``clip_grad_norm_``). Returns whether the step
         applies, and the norm before clipping (``None`` without ``max_grad_norm``)."""
         self.pipeline.reap()
-        ok = self.pipeline.all_finite() if self.config.skip_nonfinite else True
+        ok = self.agreement.all_finite() if self.config.skip_nonfinite else True
         norm = None
         if max_grad_norm is not None and ok:
             norm, clipped = clip_grads_by_total_norm_([p.grad for p in params if p.grad is not None], max_grad_norm)
@@ -224,33 +223,42 @@ class Runtime:
         self.pipeline.stats["skipped_steps"] += not ok
         return ok, norm
 
-    def launch_rest(self, ok: bool) -> None:
-        """Launch the waves backward did not. A synchronous step agrees on gradient presence once, first, and its
-        waves then commit their momentum as they pack (:attr:`StepPhase.SYNC_STEP`)."""
-        if ok and not self.config.overlap and not self.pipeline.has_pending():
-            self.pipeline.agree_before_launch()
-            self.phase = StepPhase.SYNC_STEP
+    def launch_rest(self, ok: bool) -> bool:
+        """Launch the waves backward did not. A synchronous step agrees on gradient presence once, first (one host
+        collective per step instead of one per wave plus one), and its waves then skip their checks and commit their
+        momentum as they pack (:attr:`StepPhase.SYNC_STEP`). Returns whether the step agreed so.
+
+        Raises:
+            ValueError: on every rank, the ranks disagree on gradient presence (nothing launched or applied).
+        """
+        if not (ok and not self.config.overlap and not self.pipeline.has_pending()):
+            self.dispatcher.flush()
+            return False
+        self.agreement.presence([], self.pipeline.in_flight)
+        self.phase = StepPhase.SYNC_STEP
         try:
             self.dispatcher.flush()
         finally:
             self.phase = StepPhase.STEP
+        return True
 
     def commit_step(self, max_grad_norm: float | None, clip_params: list[Tensor]) -> tuple[bool, Tensor | None, int]:
         """``step()`` up to its applies: :meth:`prepare`, :meth:`launch_rest`, :meth:`commit` (in
         :attr:`StepPhase.STEP`; :meth:`end_step` leaves it). Returns ``(applies, norm before clipping, reruns)``."""
         self.phase = StepPhase.STEP
         ok, norm = self.prepare(max_grad_norm, clip_params)
-        self.launch_rest(ok)
-        return ok, norm, self.commit(ok)
+        agreed = self.launch_rest(ok)
+        return ok, norm, self.commit(ok, agreed)
 
     def end_step(self) -> None:
         """Leave the step (also when it raised): backward's hooks launch speculative waves again."""
         self.phase = StepPhase.IDLE
 
-    def commit(self, ok: bool) -> int:
+    def commit(self, ok: bool, agreed: bool = False) -> int:
         """Validate the waves (stale ones re-run) and queue their applies with the hyper-parameters of now;
         returns the number re-run."""
-        return self.pipeline.commit(self.waves, self._group(), validate=self.config.overlap, skip=not ok)
+        return self.pipeline.commit(self.waves, self._group(), validate=self.config.overlap, skip=not ok,
+                                    agreed=agreed)
 
     def finish(self) -> None:
         """Re-plan once from the observed order, then order the updates before what follows: the step barrier, or
@@ -285,7 +293,7 @@ class Runtime:
         assert self.recorder is not None
         self.pipeline.synchronize()
         order = [self.recorder.order()]
-        if self.pipeline.ctrl_group is not None:
-            dist.broadcast_object_list(order, src=self.stage_root, group=self.pipeline.ctrl_group)
+        if self.agreement.ctrl_group is not None:
+            dist.broadcast_object_list(order, src=self.stage_root, group=self.agreement.ctrl_group)
         self.recorder = None
-        self.plan(list(order[0]))
+        self.plan_waves(list(order[0]))

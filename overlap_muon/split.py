@@ -14,14 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-from .domain import block
+from .layout import block
 from .sorting import name_matches
 
-__all__ = ["RowSplit", "QKVSplit", "GateUpSplit", "HeadSplit", "resolve_split", "strided_parts", "apply_runs",
-           "split_ns"]
+__all__ = ["RowSplit", "QKVSplit", "GateUpSplit", "HeadSplit", "resolve_split", "strided_parts", "apply_runs"]
 
 
 class RowSplit:
@@ -135,7 +133,7 @@ def strided_parts(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, 
     true one with its rows permuted. That is FSDP2's strided order with the pieces as the outer split: piece ``i``'s
     block on rank ``t`` is ``block(full_shape, 0, T, split_factor, t, i)``. Each true part (the whole matrix when
     ``parts`` is ``None``) becomes the list of its rows' positions in the assembled matrix, in true order, so
-    :func:`split_ns` gathers the true matrix (or part), orthogonalizes it and puts each result row back where the
+    ``ns.split_ns`` gathers the true matrix (or part), orthogonalizes it and puts each result row back where the
     rank holding it reads it; :func:`apply_runs` then gives every local run its true region and lr ratio.
 
     Args:
@@ -169,7 +167,7 @@ def apply_runs(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, int
     Args:
         parts: the matrix's row sets (:func:`resolve_split`), or ``None``.
         full_shape: ``(P, Q)`` of the full (fused) matrix.
-        shard: ``(row0, rows, col0, cols)`` of this rank's shard in it (``overlap_muon.domain.block``).
+        shard: ``(row0, rows, col0, cols)`` of this rank's shard in it (``overlap_muon.layout.block``).
     """
     row0, rows, col0, cols = shard
     if parts is None:
@@ -187,38 +185,3 @@ def apply_runs(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, int
         else:
             runs.append([local, local + 1, shape, pos])
     return tuple((a, b, s, (pos, b - a, col0, cols)) for a, b, s, pos in runs)
-
-
-def split_ns(fulls: Sequence[Tensor], parts: Sequence[Sequence[Sequence[int]] | None],
-             ns_many: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
-    """NS of each full matrix, or of each of its parts put back in place; ``ns_many`` batches by shape.
-
-    Args:
-        fulls: ``(P, Q)`` bf16 matrices assembled on this home.
-        parts: per matrix, its row sets (``None``: the whole matrix).
-        ns_many: list of matrices -> list of their NS results.
-
-    Returns:
-        ``(P, Q)`` bf16 results, one per input.
-    """
-    mats: list[Tensor] = []
-    where: list[tuple[int, Tensor | None]] = []
-    for j, (full, rows) in enumerate(zip(fulls, parts)):
-        if rows is None:
-            mats.append(full)
-            where.append((j, None))
-            continue
-        for r in rows:
-            idx = torch.tensor(r, device=full.device)
-            mats.append(full.index_select(0, idx))
-            where.append((j, idx))
-    outs = ns_many(mats)
-    result: list[Tensor | None] = [None] * len(fulls)
-    for (j, idx), o in zip(where, outs):
-        if idx is None:
-            result[j] = o
-            continue
-        if result[j] is None:
-            result[j] = torch.empty(fulls[j].shape, dtype=o.dtype, device=o.device)
-        result[j].index_copy_(0, idx, o)
-    return result  # type: ignore[return-value]

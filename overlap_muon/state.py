@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .domain import MuonParam
+from .placement import MuonParam
 
-__all__ = ["init_adamw_state", "create_momentum", "checkpoint_meta", "checkpoint_errors"]
+__all__ = ["init_adamw_state", "checkpoint_meta", "checkpoint_errors"]
 
 
 def init_adamw_state(groups: Sequence[dict[str, Any]], state: dict, only: Collection[int]) -> None:
@@ -40,14 +40,6 @@ def init_adamw_state(groups: Sequence[dict[str, Any]], state: dict, only: Collec
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group["amsgrad"]:
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def create_momentum(state: dict, muon: Sequence[MuonParam]) -> None:
-    """Zero momentum for the params of ``muon`` that have a gradient and no momentum yet, created on the calling
-    thread (``step()``) before any lane task writes it."""
-    for m in muon:
-        if m.param.grad is not None and "momentum_buffer" not in state.get(m.param, ()):
-            state[m.param]["momentum_buffer"] = torch.zeros_like(m.param, memory_format=torch.preserve_format)
 
 
 def checkpoint_meta(muon: Sequence[MuonParam], adamw_groups: Sequence[dict[str, Any]]) -> dict[str, Any]:

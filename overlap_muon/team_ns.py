@@ -43,7 +43,8 @@ from .layout import team_row_counts
 
 from .ns import DEFAULT_NS_COEFFICIENTS, SYRK_BLOCK, Coefficients, _check_block, _schedule, sym_gram, sym_poly
 
-__all__ = ["team_zeropower_full", "team_zeropower_blocks", "team_norms", "team_row_counts"]
+__all__ = ["team_zeropower_full", "team_zeropower_blocks", "team_zeropower_oriented", "team_norms",
+           "team_row_counts"]
 
 
 def _team(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -138,6 +139,15 @@ def team_zeropower_blocks(
             _split_poly(grams, split, upds, b, c, k, j, group)
         xs = [torch.addmm(x, u, x, beta=a) for x, u in zip(xs, upds)]
     return xs
+
+
+def team_zeropower_oriented(blocks: Sequence[Tensor], tall: Sequence[bool], group: dist.ProcessGroup | None,
+                            split_poly: Sequence[bool], kw: dict) -> list[Tensor]:
+    """:func:`team_zeropower_blocks` of blocks in the stored ``(P, Q)`` layout: a tall matrix's block is the
+    transpose of its oriented block (columns of ``X`` are rows of a tall update). ``kw``: its NS options."""
+    xs = [b.mT if t else b for b, t in zip(blocks, tall)]
+    outs = team_zeropower_blocks(xs, team_norms(xs, group), group, split_poly=split_poly, **kw)
+    return [o.mT.contiguous() if t else o for o, t in zip(outs, tall)]
 
 
 def _split_poly(grams: list[Tensor], split: list[bool], upds: list[Tensor | None], b: float, c: float, k: int,

@@ -176,7 +176,7 @@ def forget_completed() -> None:
 def wait_in_flight(tensors: Any) -> None:
     """Wait for every asynchronous collective issued through the wrapped ``torch.distributed`` functions that still
     writes the storage of one of ``tensors`` ([Note: in-place collectives]; [Note: a wave's reads] in
-    ``reads.py``): CPU, the calling thread blocks until it has written; CUDA (NCCL), the current stream waits on it.
+    ``wave_state.py``): CPU, the calling thread blocks until it has written; CUDA (NCCL), the current stream waits on it.
     Free when none is in flight."""
     if not _in_flight:
         return

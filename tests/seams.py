@@ -48,7 +48,8 @@ class TestingSeam:
 def attach(pipeline: Any, seam: TestingSeam) -> None:
     """Wrap ``pipeline``'s launch, NS, apply and wait methods (instance attributes) with ``seam``."""
     launch, ns_task, apply_task, wait = pipeline.launch, pipeline._ns_task, pipeline._apply_task, pipeline.wait
-    ns_many, team_ns = pipeline._ns_many, pipeline._team_ns
+    ctx = pipeline._ctx  # the exchanges' NS (exchanges.ExchangeContext)
+    ns_many, team_ns = ctx.ns, ctx.team_ns
 
     def _launch(wave: Any, hyper: Any, committed: bool = False) -> Any:
         seam.record("launch", wave.index)
@@ -86,7 +87,7 @@ def attach(pipeline: Any, seam: TestingSeam) -> None:
             seam.record("wait_end", k)
 
     pipeline.launch, pipeline._ns_task, pipeline._apply_task, pipeline.wait = _launch, _ns_task, _apply_task, _wait
-    pipeline._ns_many, pipeline._team_ns = _wrapped(ns_many), _wrapped(team_ns)
+    ctx.ns, ctx.team_ns = _wrapped(ns_many), _wrapped(team_ns)
 
 
 class SeamedOverlapMuon(OverlapMuon):

@@ -81,6 +81,21 @@ def test_boolean_toggles(var):
     assert getattr(cfg, field) is True and cfg.sources[field] == "argument"
 
 
+def test_cost_model_is_a_visible_choice():
+    """The surplus plan's machine figures are a config field: ``auto`` follows the lanes (CUDA streams or not), a
+    named one holds on any device, anything else is an error naming the variable."""
+    from overlap_muon.builder import _cost_model
+    from overlap_muon.scheduler import SurplusCostModel
+    from overlap_muon.scheduler.surplus import CPU_GLOO
+
+    assert resolve_config({}).cost_model == "auto"
+    assert resolve_config({"OVERLAP_MUON_COST_MODEL": "cuda"}).cost_model == "cuda"
+    with pytest.raises(ValueError, match="OVERLAP_MUON_COST_MODEL"):
+        resolve_config({"OVERLAP_MUON_COST_MODEL": "tpu"})
+    assert _cost_model("auto", cuda=False) is CPU_GLOO and _cost_model("cpu_gloo", cuda=True) is CPU_GLOO
+    assert _cost_model("auto", cuda=True) == SurplusCostModel() == _cost_model("cuda", cuda=False)
+
+
 def test_mode_balance_slots_timeout_toggles():
     assert resolve_config({"OVERLAP_MUON_MODE": "duplicated"}).mode == "duplicated"
     assert resolve_config({"OVERLAP_MUON_MODE": "layer_sharded"}).mode == "layer_sharded"

@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import overlap_muon.pipeline as pipeline_mod
-import overlap_muon.wave_state as wave_state_mod
+import overlap_muon.lanes as lanes_mod
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, PlainShardNet, TinyNet, build_dtensor_model, plain_opt
@@ -22,14 +21,14 @@ from tests.models import ADAMW_KW, HP, PlainShardNet, TinyNet, build_dtensor_mod
 
 def _presence_body(rank, world):
     seen = []
-    orig = pipeline_mod.dist.all_to_all_single
+    orig = dist.all_to_all_single
 
     def spy(out, inp, *a, group=None, **k):
         if inp.dtype == torch.uint8 and inp.numel() <= 64:  # the presence flags (the data travels as bf16 bytes)
             seen.append((out.device.type, inp.device.type, dist.get_backend(group)))
         return orig(out, inp, *a, group=group, **k)
 
-    pipeline_mod.dist.all_to_all_single = spy
+    dist.all_to_all_single = spy
     try:
         net = PlainShardNet(1, 2, 0, rank)
         opt = plain_opt(net, 1, 2, 0, rank, overlap=True)
@@ -40,7 +39,7 @@ def _presence_body(rank, world):
             opt.zero_grad()
         opt.close()
     finally:
-        pipeline_mod.dist.all_to_all_single = orig
+        dist.all_to_all_single = orig
     return seen
 
 
@@ -62,21 +61,13 @@ class _FakeStream:
         self.waited.append(ev)
 
 
-class _FakeHandle:
-    lane = "from_home"
-
-    def __init__(self) -> None:
-        self.event = _FakeEvent()
-
-    def wait_on_current_stream(self) -> None:  # the current stream's wait (CUDA); a no-op here
-        pass
-
-
-def test_wait_makes_every_given_stream_wait_on_the_event():
-    streams = [_FakeStream(), _FakeStream()]
-    h = _FakeHandle()
-    wave_state_mod.wait_handle(h, streams)
-    assert [s.waited for s in streams] == [[h.event], [h.event]]
+def test_wait_makes_every_given_stream_wait_on_the_event(monkeypatch):
+    current, streams = _FakeStream(), [_FakeStream(), _FakeStream()]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)
+    h = lanes_mod.LaneHandle("from_home")
+    h.event = _FakeEvent()
+    h.wait(streams)
+    assert [s.waited for s in [current] + streams] == [[h.event]] * 3
 
 
 def _fsdp_streams_body(rank, world):

@@ -1,5 +1,5 @@
 """QK-clip ([Note: QK-clip] in ``overlap_muon/qk_clip.py``): bitwise one process running ``torch.optim.Muon`` +
-``AdamW`` and then :func:`qk_clip_reference`, the rule on whole weights.
+``AdamW`` and then :func:`qk_clip_reference` below, the rule on whole weights.
 
 World 1 with a real forward (SDPA attention recording its logits with ``record_max_logits``), MHA, GQA and a fused
 QKV; TP 2 and FSDP 2 x TP 2 with synthetic gradients and recorded logits that differ by data-parallel rank (the max
@@ -16,12 +16,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap_muon import OverlapMuon
-from overlap_muon.qk_clip import ATTR, QKClip, qk_clip_reference, record_max_logits
+from overlap_muon.qk_clip import ATTR, QKClip, _row_factors, record_max_logits
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP
 
 D, HD, STEPS = 16, 4, 3
 MODES = [pytest.param({}, id="default"), pytest.param({"async_step": True}, id="async_step")]
+
+
+def qk_clip_reference(spec: QKClip, s: torch.Tensor, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """The rule on whole weights, in place: ``weights`` are ``("q" | "k" | "qkv", full weight)`` of one layer,
+    ``s`` its heads' max logits (the library's own per-row factors, applied to whole weights)."""
+    for which, w in weights:
+        w.mul_(_row_factors(spec, s, which, w.shape[0]).to(w.device)[:, None])
 
 
 class Attn(nn.Module):

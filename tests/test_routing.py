@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from overlap_muon.comm import domain_from_layouts
-from overlap_muon.domain import Domain, chunk_sizes
+from overlap_muon.domain import Domain
+from overlap_muon.layout import chunk_sizes
 from overlap_muon.layer_sharded_a2a import (
     all_gather_full,
     from_homes,

@@ -41,8 +41,6 @@ LONG = {
                                              "planning waves by cost])",
     "scheduler/surplus.py:_greedy": "the surplus planner's greedy pass, one algorithm read top to bottom",
     "scheduler/surplus.py:plan_surplus": "the surplus plan's entry: options, then the pass, then the checks",
-    "overlap_muon/domain.py:describe_param": "pending: one reader of DTensor placements shared with "
-                                            "describe_expert_param (issue 32)",
 }
 
 
@@ -196,7 +194,7 @@ def test_planted_size_violations_are_caught(tmp_path):
     with open(tmp_path / "overlap_muon/messages.py", "a") as f:  # a long file
         f.write("\n" * FILE_LINES)
     for rel, cls, body in (("overlap_muon/optimizer.py", "class OverlapMuon(", "    def _planted(self):\n"),
-                           ("overlap_muon/pipeline.py", "class WavePipeline(", "    def _planted_task(self):\n")):
+                           ("overlap_muon/pipeline.py", "class WavePipeline:", "    def _planted_task(self):\n")):
         text = (tmp_path / rel).read_text()  # a long OverlapMuon, a long pipeline task: inside the class
         at = text.index("\n", text.index(cls)) + 1
         extra = body + "".join(f"        x{i} = {i}\n" for i in range(max(OPTIMIZER_LINES, TASK_LINES) + 1))

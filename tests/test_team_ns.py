@@ -89,7 +89,8 @@ _LAYOUTS = [(7, 30, 0), (50, 13, 1), (9, 9, None), (5, 22, 1), (31, 6, 0), (2, 4
 
 
 def _relayout_body(rank, world, R, T):
-    from overlap_muon.domain import Domain, block
+    from overlap_muon.domain import Domain
+    from overlap_muon.layout import block
     from overlap_muon.layer_sharded_a2a import from_team, team_block, to_team
 
     dom = Domain(remat_size=R, tp_size=T, remat_rank=rank // T, tp_rank=rank % T, flat_group=dist.group.WORLD)

@@ -442,7 +442,7 @@ def test_apply_update_on_every_block_equals_full_matrix_apply(dtype):
     """The apply alone, in this process (``torch.get_num_threads()`` threads, so matrices above torch's grain size
     of 32768 elements are split in thread chunks, whose tails move): every block of every grid equals torch's
     apply on the full matrix, for tall, wide and square matrices, small and above the grain size."""
-    from overlap_muon.domain import block as region_of
+    from overlap_muon.layout import block as region_of
     from overlap_muon.muon_math import apply_update
     from overlap_muon.ns import zeropower
 

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         "OVERLAP_MUON_FUSED_A2A, OVERLAP_MUON_BATCH_NS, OVERLAP_MUON_SIDE_STREAMS, OVERLAP_MUON_NVTX (1|0), "
         "OVERLAP_MUON_BALANCE=lpt|round_robin, OVERLAP_MUON_WAVE_PLAN=count|cost, OVERLAP_MUON_WAVE_SLOTS=N, OVERLAP_MUON_PG_TIMEOUT_S=seconds, "
         "OVERLAP_MUON_READINESS_ORDER=reverse|observed, OVERLAP_MUON_SKIP_NONFINITE, OVERLAP_MUON_CHECK_GRAD_PRESENCE, "
-        "OVERLAP_MUON_SYRK (1|0), OVERLAP_MUON_SURPLUS=idle|duplicate|team|auto, OVERLAP_MUON_DP_SLOTS (1|0) (see the README).",
+        "OVERLAP_MUON_SYRK (1|0), OVERLAP_MUON_SURPLUS=idle|duplicate|team|auto, OVERLAP_MUON_COST_MODEL=auto|cuda|cpu_gloo, "
+        "OVERLAP_MUON_DP_SLOTS (1|0) (see the README).",
     )
     a = p.add_argument
     a("--optimizer", choices=_OPTIMIZERS, default="overlap_muon", help="default: %(default)s")

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from overlap_muon.domain import Domain, block, block_shape
+from overlap_muon.domain import Domain
+
+from overlap_muon.layout import block, block_shape
 
 from ._checks import _check_domain_inputs, _check_pd, _check_results, _Params
 from ._route import _block_region, _cached, _execute, _mismatch, _Out, _Packer, _Piece, _Route

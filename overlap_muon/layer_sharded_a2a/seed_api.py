@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from overlap_muon.domain import chunk_offsets, chunk_sizes
+from overlap_muon.layout import chunk_offsets, chunk_sizes
 
 from ._checks import (
     _as_int,

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from overlap_muon.domain import Domain, block, chunk_offsets, chunk_sizes
+from overlap_muon.domain import Domain
+
+from overlap_muon.layout import block, chunk_offsets, chunk_sizes
 
 from ._checks import _check_domain_inputs, _check_full_shape, _check_pd, _common_dtype
 from ._route import _cached, _execute, _Out, _Packer, _Piece, _Region, _Route

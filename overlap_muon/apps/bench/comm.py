@@ -158,7 +158,8 @@ def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps
         optimizers[name] = OverlapMuon(net, tp_group=tp, remat_group=rm, overlap=False, muon_filter=_muon_2d,
                                        **kw, **_HP)
     counter = _CommCounter()
-    counter.agreement_groups = {id(o._pipeline.ctrl_group) for o in optimizers.values() if o._pipeline.ctrl_group}
+    counter.agreement_groups = {id(o._rt.agreement.ctrl_group) for o in optimizers.values()
+                                if o._rt.agreement.ctrl_group}
     out: dict[str, Any] = {"shard_bytes": shard_bytes}
     counter.install()
     try:

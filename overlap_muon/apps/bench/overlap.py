@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from overlap_muon.domain import block_shape
+from overlap_muon.layout import block_shape
 from overlap_muon.ns import zeropower
 from overlap_muon.optimizer import OverlapMuon
 from overlap_muon.scheduler import ns_flops

@@ -2,19 +2,21 @@
 
     python examples/hf_trainer.py                                           # one process
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py         # Trainer's DDP on 2 ranks
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --factory   # Trainer builds the optimizer
 
 A tiny Llama built from its config trains for 4 steps on random tokens, twice with the same TrainingArguments (the
 same seed, so the same batches). Prints "bitwise equal" when every weight matches bit for bit (exit status 1
 otherwise). Needs transformers and accelerate (the project's test extra installs them).
 """
 
+import sys
 import tempfile
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from overlap_muon import OverlapMuon
-from overlap_muon.hf import OverlapMuonCallback
+from overlap_muon.hf import OverlapMuonCallback, OverlapMuonFactory
 
 config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)
@@ -28,10 +30,15 @@ args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=4, per_device_
 
 torch.manual_seed(0)
 model = LlamaForCausalLM(config)       # Llama, GPT-2 (Conv1D), ...; tied embeddings are fine
-opt = OverlapMuon(model, lr=0.02, adamw_kwargs=dict(lr=3e-4, weight_decay=0.1))
-trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))  # its lr schedule: every group
+kwargs = dict(lr=0.02, adamw_kwargs=dict(lr=3e-4, weight_decay=0.1))  # OverlapMuon's keyword arguments
+if "--factory" in sys.argv:            # Trainer's factory protocol: it builds OverlapMuon(model, **kwargs) in train()
+    route = dict(optimizer_cls_and_kwargs=(OverlapMuonFactory, kwargs))
+else:                                  # or build it yourself
+    route = dict(optimizers=(OverlapMuon(model, **kwargs), None))
+trainer = Trainer(model=model, args=args, train_dataset=ds, **route)  # its lr schedule drives every group
 trainer.add_callback(OverlapMuonCallback(trainer))      # under Trainer's DDP: waves read DDP's averaged gradients
 trainer.train()
+opt = trainer.optimizer.optimizer      # Accelerate wraps the optimizer: this is the OverlapMuon
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -80,6 +80,7 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: its params are FSDP1's flat parameters (``FullyShardedDataParallel``): no matrix is left.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -90,6 +91,15 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
             "as OverlapMuon(model, lr=...); it sorts the params into Muon and AdamW by their modules and names"
             if what in ("generator", "list", "tuple", "dict") or isinstance(model, torch.Tensor) else
             f"OverlapMuon expects the model (an nn.Module), got a {what}")
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    if any(isinstance(m, FSDP1) for m in model.modules()) or any(getattr(p, "_is_flat_param", False)
+                                                                   for p in model.parameters()):
+        raise ValueError(
+            "OverlapMuon: the model's params are FSDP1 flat parameters (FullyShardedDataParallel, or Lightning's "
+            "FSDPStrategy, flattens each wrapped module's weights into one 1-D FlatParameter), which hold no matrix "
+            "Muon can orthogonalize; shard with FSDP2 instead: torch.distributed.fsdp.fully_shard on each block and "
+            "the model, then OverlapMuon(model, device_mesh=mesh) (Lightning: ModelParallelStrategy)")
     ddp = model if isinstance(model, DistributedDataParallel) else None
     model = ddp.module if ddp is not None else model
     return (getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model), ddp
@@ -195,13 +205,23 @@ def _warn_layout(rank: int, multi: bool, experts: Any, adamw_named: list, muon_n
     left = [n for n, p in adamw_named if p.ndim == 3]
     if experts is not None and left:
         warn_user(f"OverlapMuon: experts= is given but the 3-D params {left[:8]} are not selected; they go to "
-                      "AdamW. Widen the pattern if they are grouped expert weights.")
+                  "AdamW. Widen the pattern if they are grouped expert weights.")
+    elif left:  # the most common silent miss of a distributed Muon: MoE weights trained by AdamW
+        warn_user(f"OverlapMuon: the 3-D params {left[:8]} go to AdamW; if they are grouped expert weights "
+                  f"(E, P, Q), give them Muon with experts={_expert_pattern(left)!r}.")
     if multi and any(getattr(p, "partition_dim", None) is not None and not isinstance(p, DTensor)
                      and not (expert_layout if id(p) in expert_ids else layouts) for _, p in muon_named):
         warn_user(
             "OverlapMuon: some plain Muon params carry a partition_dim but their domain has no TP/ETP group "
             "(no tp_group/device_mesh, or no etp_group/expert_mesh for experts): each rank orthogonalizes its "
             "tensor as a whole matrix. If they are shards of larger matrices, pass the group.")
+
+
+def _expert_pattern(names: list[str]) -> str | list[str]:
+    """An ``experts=`` pattern for ``names``: their parents, layer indices as ``*``, each followed by ``.*``."""
+    parents = sorted({".".join("*" if s.isdigit() else s for s in n.split(".")[:-1]) for n in names})
+    pats = [f"{p}.*" if p else "*" for p in parents]
+    return pats[0] if len(pats) == 1 else pats
 
 
 def _split_errors(split: Any, muon: list[MuonParam]) -> list[str]:

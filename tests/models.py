@@ -251,3 +251,32 @@ def full_mismatches(model: nn.Module, ref: nn.Module) -> list[str]:
     got = [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
     return [n for (n, _), a, b in zip(ref.named_parameters(), got, ref.parameters()) if not torch.equal(a, b)]
 
+
+class MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` + ``torch.optim.AdamW`` as one optimizer: the reference a framework's ``Trainer`` is given
+    (Hugging Face's, Lightning's)."""
+
+    def __init__(self, muon: list[nn.Parameter], adamw: list[nn.Parameter]) -> None:
+        self.inner = (torch.optim.Muon(muon, **HP), torch.optim.AdamW(adamw, **ADAMW_KW))
+        super().__init__([{"params": muon + adamw}], {})
+        self.param_groups = [g for o in self.inner for g in o.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # Lightning passes its forward and backward as the closure
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.inner:
+            o.step()
+        return loss
+
+    # Accelerate reloads the optimizer's state when it wraps it; the base class would then replace the groups with
+    # copies the inner optimizers never see (an lr schedule would stop reaching them).
+    def state_dict(self):
+        return {"inner": [o.state_dict() for o in self.inner]}
+
+    def load_state_dict(self, state_dict):
+        for o, sd in zip(self.inner, state_dict["inner"]):
+            o.load_state_dict(sd)
+        self.param_groups = [g for o in self.inner for g in o.param_groups]

@@ -32,18 +32,30 @@ def test_fsdp_tp_example_under_torchrun():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_hf_trainer_example(ranks):
-    """One process, and Trainer's DDP on 2 ranks under torchrun: bitwise torch.optim.Muon + AdamW under Trainer's
-    default linear lr schedule, with no wave re-run."""
+@pytest.mark.parametrize("ranks, route", [(1, []), (2, []), (2, ["--factory"])])
+def test_hf_trainer_example(ranks, route):
+    """One process, and Trainer's DDP on 2 ranks under torchrun, on both routes (``optimizers=`` and Trainer's factory
+    protocol): bitwise torch.optim.Muon + AdamW under Trainer's default linear lr schedule, with no wave re-run."""
     pytest.importorskip("transformers")
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if ranks == 2 else []
-    out = _run([sys.executable, *launch, "examples/hf_trainer.py"], timeout=240)
+    out = _run([sys.executable, *launch, "examples/hf_trainer.py", *route], timeout=240)
     assert out.returncode == 0 and "0 waves re-run in step(): bitwise equal" in out.stdout, \
         out.stdout + out.stderr[-3000:]
 
 
-_TESTED = {"examples/one_process.py", "examples/fsdp_tp.py", "examples/hf_trainer.py"}  # run by the tests above
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_lightning_example(ranks):
+    """One process, and ``strategy="ddp"`` on 2 ranks under torchrun (Lightning sees torchrun's variables and launches
+    nothing): no wave re-runs (``tests/test_lightning.py`` holds the bitwise comparison)."""
+    pytest.importorskip("lightning")
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if ranks == 2 else []
+    out = _run([sys.executable, *launch, "examples/lightning_fit.py"], timeout=240)
+    assert out.returncode == 0 and "0 waves re-run in step()" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+_TESTED = {"examples/one_process.py", "examples/fsdp_tp.py", "examples/hf_trainer.py",
+           "examples/lightning_fit.py"}  # run by the tests above
 
 
 @pytest.mark.timeout(400)
@@ -62,10 +74,10 @@ def test_readme_commands_are_the_tested_ones():
     assert out.returncode == 0 and "verify: bitwise equal" in out.stdout + out.stderr, out.stdout + out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("doc, heading", [("README.md", None), ("docs/usage.md", "With Hugging Face")])
+@pytest.mark.parametrize("doc, heading", [("README.md", None), ("docs/integrations.md", None)])
 def test_doc_code_is_copied_from_the_examples(doc, heading):
-    """Every python block of the README, and of the usage guide's Hugging Face section, appears line for line in one
-    of the example files."""
+    """Every python block of the README and of the integrations guide appears line for line in one of the example
+    files (which the tests above run)."""
     text = (ROOT / doc).read_text()
     if heading is not None:
         text = text[text.index(f"## {heading}\n"):]

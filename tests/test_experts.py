@@ -4,6 +4,9 @@ param ([Note: two domains] in ``overlap_muon/discovery.py``)."""
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -343,6 +346,27 @@ def _layout_mistakes_body(rank, world, case):
 
 
 @pytest.mark.timeout(120)
+def test_grouped_weights_without_experts_warn_with_the_pattern():
+    """3-D params without ``experts=`` go to AdamW (a ``Conv1d`` weight is 3-D too, so no default takes them), with a
+    warning on rank 0 naming them and the ``experts=`` pattern that gives them Muon; that pattern then warns no more."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Module() for _ in range(2))
+    for layer in model.layers:
+        layer.experts = nn.Module()
+        layer.experts.w13 = nn.Parameter(torch.randn(2, 8, 4))
+        layer.experts.w2 = nn.Parameter(torch.randn(2, 4, 8))
+        layer.proj = nn.Linear(4, 4, bias=False)
+    with pytest.warns(UserWarning, match=re.escape("give them Muon with experts='layers.*.experts.*'")):
+        opt = OverlapMuon(model)
+    assert opt.muon_param_names == ["layers.0.proj.weight", "layers.1.proj.weight"]
+    opt.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = OverlapMuon(model, experts="layers.*.experts.*")
+    assert len(opt.muon_param_names) == 10
+    opt.close()
+
+
 def test_expert_layout_mistakes_are_reported():
     """Plain experts held unevenly: an error naming the expert counts (not a plan mismatch at an unrelated param).
     Shards carrying ``partition_dim`` without an ETP group: a warning on rank 0 (they are taken as whole matrices).

@@ -20,36 +20,12 @@ from torch import nn
 
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, HP, local
+from tests.models import ADAMW_KW, HP, MuonAdamW, local
 
 pytest.importorskip("transformers", reason="the tests drive transformers' own Trainer")
 pytest.importorskip("accelerate", reason="transformers' Trainer runs on Accelerate")
 
 STEPS = 3
-
-
-class _MuonAdamW(torch.optim.Optimizer):
-    """``torch.optim.Muon`` + ``torch.optim.AdamW`` as one optimizer, the reference ``Trainer`` is given."""
-
-    def __init__(self, muon: list[nn.Parameter], adamw: list[nn.Parameter]) -> None:
-        self.inner = (torch.optim.Muon(muon, **HP), torch.optim.AdamW(adamw, **ADAMW_KW))
-        super().__init__([{"params": muon + adamw}], {})
-        self.param_groups = [g for o in self.inner for g in o.param_groups]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for o in self.inner:
-            o.step()
-
-    # Accelerate reloads the optimizer's state when it wraps it; the base class would then replace the groups with
-    # copies the inner optimizers never see (an lr schedule would stop reaching them).
-    def state_dict(self):
-        return {"inner": [o.state_dict() for o in self.inner]}
-
-    def load_state_dict(self, state_dict):
-        for o, sd in zip(self.inner, state_dict["inner"]):
-            o.load_state_dict(sd)
-        self.param_groups = [g for o in self.inner for g in o.param_groups]
 
 
 def _tiny_llama():
@@ -60,10 +36,13 @@ def _tiny_llama():
                                         num_attention_heads=4, num_key_value_heads=2))
 
 
-def _fit(model: nn.Module, opt: torch.optim.Optimizer, max_grad_norm: float, callback: bool):
-    """``Trainer.train()`` for STEPS steps (Trainer's default linear lr decay, no checkpoints); returns the
-    trainer."""
+def _fit(model: nn.Module, opt: torch.optim.Optimizer | None, max_grad_norm: float, callback: bool,
+         factory: dict | None = None):
+    """``Trainer.train()`` for STEPS steps (Trainer's default linear lr decay, no checkpoints), with ``opt`` or, given
+    ``factory`` (OverlapMuon's keyword arguments), Trainer's factory route; returns the trainer."""
     from transformers import Trainer, TrainingArguments
+
+    from overlap_muon.hf import OverlapMuonFactory
 
     gen = torch.Generator().manual_seed(1)
     ds = [{"input_ids": torch.randint(0, 64, (16,), generator=gen), "labels": torch.randint(0, 64, (16,), generator=gen)}
@@ -71,7 +50,9 @@ def _fit(model: nn.Module, opt: torch.optim.Optimizer, max_grad_norm: float, cal
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2,
                              report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=max_grad_norm,
                              logging_steps=1, disable_tqdm=True, seed=0)
-    trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
+    route = dict(optimizers=(opt, None)) if factory is None else dict(optimizer_cls_and_kwargs=(OverlapMuonFactory,
+                                                                                                 factory))
+    trainer = Trainer(model=model, args=args, train_dataset=ds, **route)
     if callback:
         from overlap_muon.hf import OverlapMuonCallback
 
@@ -80,7 +61,7 @@ def _fit(model: nn.Module, opt: torch.optim.Optimizer, max_grad_norm: float, cal
     return trainer
 
 
-def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False):
+def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory=False):
     """Both runs on this rank; returns (differing params, re-runs, waves per step, steps where clipping bit)."""
     logging.disable(logging.WARNING)
     # Accelerate reads torchrun's variables: with them it wraps DDP; at world 1 it runs the plain loop without them.
@@ -101,12 +82,16 @@ def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False):
                 fully_shard(layer, mesh=mesh)
             fully_shard(m, mesh=mesh)
         kw = dict(device_mesh=mesh)
-    opt = OverlapMuon(model, **HP, adamw_kwargs=ADAMW_KW, **kw)
+    if factory:  # Trainer builds it inside train()
+        trainer = _fit(model, None, max_grad_norm, callback, factory=dict(**HP, adamw_kwargs=ADAMW_KW, **kw))
+        opt = trainer.optimizer.optimizer  # Accelerate's AcceleratedOptimizer wraps it
+    else:
+        opt = OverlapMuon(model, **HP, adamw_kwargs=ADAMW_KW, **kw)
+        trainer = _fit(model, opt, max_grad_norm, callback)
     muon_names = set(opt.muon_param_names)
-    trainer = _fit(model, opt, max_grad_norm, callback)
     bit = sum(h["grad_norm"] + 1e-6 > max_grad_norm > 0 for h in trainer.state.log_history if "grad_norm" in h)
     named = dict(ref.named_parameters())
-    _fit(ref, _MuonAdamW([named[n] for n in named if n in muon_names],
+    _fit(ref, MuonAdamW([named[n] for n in named if n in muon_names],
                          [named[n] for n in named if n not in muon_names]), max_grad_norm, False)
     opt.synchronize()
     bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters())
@@ -128,6 +113,14 @@ def test_trainer_keeps_the_overlap_and_is_exact(max_grad_norm, world):
         assert reruns == waves * bit, (reruns, waves, bit)
         if max_grad_norm != 1.0:
             assert bit == 0 and reruns == 0
+
+
+@pytest.mark.timeout(300)
+def test_trainer_factory_route_keeps_the_overlap():
+    """``optimizer_cls_and_kwargs=(OverlapMuonFactory, {...})``: Trainer builds the optimizer inside ``train()``; the
+    callback, added before it exists, finds it there and attaches it to Trainer's DDP: bitwise, 0 re-runs."""
+    for bad, reruns, waves, bit in run_ranks(_trainer_body, 2, 100.0, factory=True, timeout=250):
+        assert bad == [] and bit == 0 and reruns == 0, (bad, reruns, waves)
 
 
 @pytest.mark.timeout(200)

@@ -606,3 +606,23 @@ def test_tp_mesh_dim_with_another_name_says_tp_dim():
     suggested FSDP2's layout only; it now names ``tp_dim=`` as well."""
     for msg in run_ranks(_tp_dim_named_otherwise_body, 2, timeout=50):
         assert "on the remat dim 'model'" in msg and "tp_dim='model'" in msg, msg
+
+
+def _fsdp1_body(rank, world, use_orig_params):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), device_id=torch.device("cpu"),
+                                     use_orig_params=use_orig_params)
+    with pytest.raises(ValueError) as e:
+        OverlapMuon(model)
+    return str(e.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_is_a_clear_error_on_every_rank(use_orig_params):
+    """FSDP1 (``FullyShardedDataParallel``, Lightning's ``FSDPStrategy``) flattens the weights: a ``ValueError`` on
+    every rank naming the flat parameters and ``fully_shard`` (FSDP2) as the fix, not an AdamW-only optimizer."""
+    for msg in run_ranks(_fsdp1_body, 2, use_orig_params, timeout=90):
+        assert "FSDP1 flat parameters" in msg and "fully_shard" in msg, msg

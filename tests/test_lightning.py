@@ -1,0 +1,75 @@
+"""Lightning 2.6 (``lightning.pytorch``) driving ``OverlapMuon`` from ``configure_optimizers``: bitwise the same
+``Trainer`` run with ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the same split, and under ``strategy="ddp"`` (2
+CPU ranks, launched here: Lightning sees ``LOCAL_RANK`` and launches nothing) the overlap kept by
+:class:`overlap_muon.lightning.OverlapMuonCallback`: no wave re-runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from tests.dist_utils import run_ranks
+from tests.models import ADAMW_KW, HP, Deep, MuonAdamW
+
+pytest.importorskip("lightning", reason="the tests drive Lightning's own Trainer")
+
+STEPS = 4
+
+
+def _fit(make_opt, world: int, callbacks: list):
+    """``Trainer.fit`` of a small module for STEPS steps; ``make_opt(module)`` is its ``configure_optimizers``."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Lit(L.LightningModule):  # Deep's linears to Muon, the gain to AdamW
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net, self.gain = Deep(n=4, d=16), nn.Parameter(torch.ones(16))
+
+        def training_step(self, batch, _):
+            (x,) = batch
+            return (self.net(x) * self.gain).pow(2).mean()
+
+        def configure_optimizers(self):
+            return make_opt(self)
+
+    data = TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)))
+    model = Lit()
+    trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=world, num_nodes=1,
+                        strategy="ddp" if world > 1 else "auto", callbacks=callbacks, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    return model
+
+
+def _lightning_body(rank, world):
+    """Both runs on this rank; returns (differing params, re-runs, waves)."""
+    from overlap_muon import OverlapMuon
+    from overlap_muon.lightning import OverlapMuonCallback
+
+    if world > 1:
+        os.environ["LOCAL_RANK"] = str(rank)  # the launcher is ours: Lightning joins the process group we made
+    made: list = []
+    model = _fit(lambda m: made.append(OverlapMuon(m, **HP, adamw_kwargs=ADAMW_KW)) or made[-1], world,
+                 [OverlapMuonCallback()])
+    opt = made[0]
+    names = set(opt.muon_param_names)
+    ref = _fit(lambda m: MuonAdamW([p for n, p in m.named_parameters() if n in names],
+                                   [p for n, p in m.named_parameters() if n not in names]), world, [])
+    opt.synchronize()
+    bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p, q)]
+    reruns, waves = opt.stats["reruns"], len(opt.waves)
+    opt.close()
+    return bad, reruns, waves
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+def test_lightning_configure_optimizers_bitwise_and_overlapped(world):
+    for bad, reruns, waves in run_ranks(_lightning_body, world, timeout=250):
+        assert bad == [] and reruns == 0, (bad, reruns, waves)

@@ -15,7 +15,7 @@ param lies in its domain, ``placement.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed import ProcessGroup
 
@@ -39,16 +39,12 @@ class Domain:
     flat_group: ProcessGroup | None = None  #: own group of all R*T ranks; group rank == g*T + t
     ctrl_group: ProcessGroup | None = None  #: gloo group of all R*T ranks, for host-side flags (never the device)
 
-    @property
-    def size(self) -> int:
-        """R * T, the number of NS homes."""
-        return self.remat_size * self.tp_size
+    size: int = field(init=False)  #: R * T, the number of NS homes
+    flat_rank: int = field(init=False)  #: g*T + t
 
-    @property
-    def flat_rank(self) -> int:
-        """g*T + t."""
-        return self.remat_rank * self.tp_size + self.tp_rank
-
+    def __post_init__(self) -> None:  # fields, not properties: read on every exchange
+        object.__setattr__(self, "size", self.remat_size * self.tp_size)
+        object.__setattr__(self, "flat_rank", self.remat_rank * self.tp_size + self.tp_rank)
 
     @staticmethod
     def single() -> "Domain":

@@ -328,6 +328,39 @@ def test_domain_routing_grids(world):
         assert r == GRIDS[world]
 
 
+def _replay_body(rank, world):
+    import overlap_muon.layer_sharded_a2a.domain_exchange as dx
+
+    checked = []
+    check = dx._check_domain_inputs
+    dx._check_domain_inputs = lambda what, *a: checked.append(what) or check(what, *a)
+    dom = _domain(1, world)
+    shapes, pds = [(P, Q) for P, Q, _ in SPECS], [pd for *_, pd in SPECS]
+    homes = [i % world for i in range(len(SPECS))]
+    fulls = [_full(i, s, torch.bfloat16) for i, s in enumerate(shapes)]
+    shards = [local_shard(f, pd, dom) for f, pd in zip(fulls, pds)]
+    plan, outs = {}, []
+    for _ in range(3):
+        mats, idx = to_homes(shards, homes, pds, shapes, dom, fused=True, plan=plan)
+        outs.append(mats + from_homes([m * 2 for m in mats], idx, shards, homes, pds, shapes, dom, fused=True,
+                                      plan=plan))
+    same = all(torch.equal(a, b) for run in outs[1:] for a, b in zip(outs[0], run))
+    try:  # another call on the same plan is checked, and refused
+        to_homes(shards, [(h + 1) % world for h in homes], pds, shapes, dom, fused=True, plan=plan)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    return checked, same, err
+
+
+def test_a_repeated_fused_call_replays_its_route():
+    """[Note: replayed routes]: a fused call identical to the last validated one on its plan skips the checks and
+    gives the same results; a different call on that plan is checked (and refused) as before."""
+    for checked, same, err in run_ranks(_replay_body, 2, timeout=90):
+        assert checked == ["to_homes", "from_homes", "to_homes"] and same, checked
+        assert err is not None and "reused plan does not match" in err, err
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Bad input: ValueError on every rank before any collective, and the group still works
 # ----------------------------------------------------------------------------------------------------------------

@@ -31,8 +31,7 @@ TRIP = [
 #: The leaves the trip calls: functions on tensors, shapes and groups that hold no wave.
 LEAVES = [
     "overlap_muon/placement.py", "overlap_muon/version_fix.py", "overlap_muon/muon_math.py", "overlap_muon/comm.py",
-    "overlap_muon/layer_sharded_a2a/domain_exchange.py", "overlap_muon/layer_sharded_a2a/_checks.py",
-    "overlap_muon/layout.py", "overlap_muon/domain.py", "overlap_muon/layer_sharded_a2a/_route.py",
+    "overlap_muon/layer_sharded_a2a/domain_exchange.py", "overlap_muon/layer_sharded_a2a/_route.py",
     "overlap_muon/ns.py",
 ]
 #: What else ``step()`` enters: following replaced params, and AdamW's lazy state.

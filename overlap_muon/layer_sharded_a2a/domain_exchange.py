@@ -42,6 +42,20 @@ def local_shard(full: Tensor, partition_dim: int | None, domain: Domain) -> Tens
     return full.narrow(0, r0, nr).narrow(1, c0, nc)
 
 
+def _replay_key(plan: dict | None, fused: bool, shards: Sequence[Tensor], homes: Sequence[int],
+                partition_dims: Sequence[int | None], full_shapes: Sequence[tuple[int, int]], domain: Domain,
+                *extra: object) -> tuple | None:
+    """[Note: replayed routes] A fused call that repeats the last validated call on ``plan`` exactly (every input
+    the validation and the route read: homes, layouts, shard shapes, dtypes and devices, the domain with its groups,
+    and ``extra``) replays that call's route without validating again: a runtime exchanges the same params step after
+    step, and the layout rule need not run per step. Anything that differs takes the checked path, whose errors are
+    unchanged. ``None``: no replay (no plan, or the two-stage path)."""
+    if plan is None or not fused:
+        return None
+    return (tuple(homes), tuple(partition_dims), tuple(tuple(f) for f in full_shapes),
+            tuple((tuple(x.shape), x.dtype, x.device) for x in shards), domain, extra)
+
+
 def _domain_plan(plan: dict | None, fused: bool, p: _Params, domain: Domain) -> None:
     """Tie ``plan`` to one (params, homes, layout, grid, fused) combination; raise if reused for another."""
     if plan is None:
@@ -85,7 +99,8 @@ def to_homes(
             (only params homed on this rank's ``g``, none of partition None). A stage with no participating
             param or a trivial group issues no collective, so at most 2 collectives.
         plan: optional dict caching the metadata, one per (set of params, fused); also valid for
-            :func:`from_homes` with the same params. Reuse with a different call raises ``ValueError``.
+            :func:`from_homes` with the same params. Reuse with a different call raises ``ValueError``; with
+            ``fused``, a call identical to the last validated one replays its route ([Note: replayed routes]).
 
     Returns:
         ``(matrices, indices)``: the contiguous full ``(P, Q)`` tensors (shards' dtype) of the params homed on this
@@ -95,6 +110,10 @@ def to_homes(
         ValueError (before any collective): length mismatches, a home outside ``[0, R*T)``, a partition dim not in
         {0, 1, None}, a shard shape that is not this rank's block, mixed dtypes, a missing group, a plan mismatch.
     """
+    key = _replay_key(plan, fused, shards, homes, partition_dims, full_shapes, domain)
+    if key is not None and plan.get("replay_to", (None,))[0] == key:
+        route, mine, meta = plan["replay_to"][1]  # [Note: replayed routes]
+        return _execute(route, shards, domain.flat_group, *meta, buffers), list(mine)
     needs = "flat" if fused else "stages"
     p = _check_domain_inputs("to_homes", shards, homes, partition_dims, full_shapes, domain, needs)
     _domain_plan(plan, fused, p, domain)
@@ -106,6 +125,8 @@ def to_homes(
         if R * T == 1 or not shards:
             return [shards[i].contiguous() for i in mine], mine
         route = _cached(plan, "fused_to", (("op", "fused_to"),), lambda sig: _fused_to(sig, p, domain))
+        if key is not None:
+            plan["replay_to"] = (key, (route, mine, (p.dtype, p.device)))
         return _execute(route, shards, domain.flat_group, p.dtype, p.device, buffers), mine
     meta = (p.dtype, p.device)
     coords = [divmod(h, T) for h in p.homes]
@@ -219,6 +240,12 @@ def from_homes(
         ValueError (before any collective): as :func:`to_homes`, and ``ns_results`` not matching ``my_indices``
         (count, indices, a shape that is not the full shape, a dtype).
     """
+    key = _replay_key(plan, fused, shards, homes, partition_dims, full_shapes, domain, tuple(my_indices),
+                      tuple((tuple(r.shape), r.dtype) for r in ns_results), dtype,
+                      None if serve is None else tuple(frozenset(x) for x in serve))
+    if key is not None and plan.get("replay_from", (None,))[0] == key:
+        route, meta = plan["replay_from"][1]  # [Note: replayed routes]
+        return _execute(route, ns_results, domain.flat_group, *meta, buffers)
     needs = "flat" if fused else "stages"
     p = _check_domain_inputs("from_homes", shards, homes, partition_dims, full_shapes, domain, needs)
     if serve is not None and (not fused or len(serve) != len(shards)):
@@ -235,6 +262,8 @@ def from_homes(
             return list(ns_results)
         sig = (("op", "fused_from"), ("serve", None if serve is None else tuple(tuple(sorted(x)) for x in serve)))
         route = _cached(plan, "fused_from", sig, lambda sig: _fused_from(sig, p, domain, serve))
+        if key is not None:
+            plan["replay_from"] = (key, (route, (dtype, p.device)))
         return _execute(route, ns_results, domain.flat_group, dtype, p.device, buffers)
     coords = [divmod(h, T) for h in p.homes]
     # Stage 2 reversed, over the TP group: the home sends each TP peer its TP block (None: a full copy, since

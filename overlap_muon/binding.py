@@ -159,7 +159,7 @@ class ParamBinding:
             raise ValueError(f"OverlapMuon: the params were replaced, but {'; '.join(errors[:4])}")
         move_state(opt._state, moved)
         for group, params in zip(opt.param_groups, lists):
-            group["params"] = params
+            group["params"], group["param_names"] = params, builder.param_names(self.model, params)
         self.finalizer()
         self._claim()
         self.recipe["mesh"] = mesh

@@ -122,12 +122,27 @@ def check_arguments(hp: dict[str, Any], max_grad_norm: Any, muon_filter: Any) ->
 
 
 def param_groups(muon: list[MuonParam], adamw_groups: list[dict[str, Any]], adamw_kwargs: dict[str, Any] | None,
-                 hp: dict[str, Any]) -> tuple[torch.optim.AdamW | None, list[dict[str, Any]]]:
+                 hp: dict[str, Any], model: nn.Module) -> tuple[torch.optim.AdamW | None, list[dict[str, Any]]]:
     """The inner ``torch.optim.AdamW`` (``None`` without AdamW params) and the optimizer's param groups: one Muon
-    group (``hp``, ``algorithm="muon"``; a grouped expert weight once), then AdamW's (``algorithm="adamw"``)."""
+    group (``hp``, ``algorithm="muon"``; a grouped expert weight once), then AdamW's (``algorithm="adamw"``); each
+    names its params (``param_names``, as ``torch.optim`` records them: checkpointers key the state by them)."""
     adamw = torch.optim.AdamW(adamw_groups, **(adamw_kwargs or {})) if adamw_groups else None
     muon_group = dict(params=group_params(muon, [])[0], algorithm="muon", **hp)
-    return adamw, [muon_group] + [dict(g, algorithm="adamw") for g in (adamw.param_groups if adamw else ())]
+    groups = [muon_group] + [dict(g, algorithm="adamw") for g in (adamw.param_groups if adamw else ())]
+    for g in groups:
+        g["param_names"] = param_names(model, g["params"])
+    return adamw, groups
+
+
+#: Wrapper modules whose names are not part of a param's name (activation checkpointing, torch.compile, FSDP1).
+_WRAPPERS = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+
+
+def param_names(model: nn.Module, params: list[Tensor]) -> list[str]:
+    """The model's name of each of ``params``, without wrapper modules' names (the names ``torch.distributed.
+    checkpoint.state_dict`` gives a model's params)."""
+    names = {id(p): ".".join(s for s in n.split(".") if s not in _WRAPPERS) for n, p in model.named_parameters()}
+    return [names[id(p)] for p in params]
 
 
 def group_params(muon: list[MuonParam], adamw_groups: list[dict[str, Any]]) -> list[list[Tensor]]:

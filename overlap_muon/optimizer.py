@@ -136,7 +136,7 @@ class OverlapMuon(torch.optim.Optimizer):
             warn_user("OverlapMuon: no param went to Muon (it takes the 2-D weights of nn.Linear and Hugging Face "
                       "Conv1D modules, except embeddings and the output head), so this is plain AdamW; pass "
                       "muon_filter=lambda name, p: ... to choose the Muon params")
-        self._adamw, groups = builder.param_groups(placed.muon, placed.adamw_groups, adamw_kwargs, hp)
+        self._adamw, groups = builder.param_groups(placed.muon, placed.adamw_groups, adamw_kwargs, hp, model)
         super().__init__(groups, hp)
         self.stats: dict[str, int] = defaultdict(int)
         self._binding.bind(placed)

@@ -644,3 +644,21 @@ def test_bf16_large_matrices_world1(overlap):
     opt.synchronize()
     assert not _diff(model, ref)
     opt.close()
+
+
+def test_param_groups_name_their_params():
+    """Each group carries ``param_names`` (the model's names, a wrapper module's name left out: here a compiled
+    layer's ``_orig_mod``), in ``state_dict()`` too, as ``torch.optim`` records a group built from ``(name, param)``
+    pairs."""
+    from tests.models import HP, Deep
+
+    model = Deep(n=2)
+    model.layers[1] = torch.compile(model.layers[1])  # its param is named layers.1._orig_mod.weight
+    model.gain = nn.Parameter(torch.ones(16))
+    opt = OverlapMuon(model, **HP)
+    assert [(g["param_names"], g["params"]) for g in opt.param_groups] == [
+        (["layers.0.weight", "layers.1.weight"], [model.layers[0].weight, model.layers[1]._orig_mod.weight]),
+        (["gain"], [model.gain])]
+    assert [g["param_names"] for g in opt.state_dict()["param_groups"]] == [["layers.0.weight", "layers.1.weight"],
+                                                                             ["gain"]]
+    opt.close()

@@ -185,3 +185,55 @@ def test_deepseek_v3_moe_experts_world1_bitwise():
     bad += [n for n in adamw if not torch.equal(got[n], adamw[n].detach())]
     opt.close()
     assert not bad, bad
+
+
+def test_torchtitan_flat_checkpoint_resumes_bitwise():
+    """torchtitan's checkpoint helpers (``components.optimizer.utils``: ``init_optim_state``'s zero-gradient, ``lr=0``
+    step, then the FQN-keyed flat state dict its checkpointer saves and loads) on ``OverlapMuon``: every param group
+    names its params (``param_names``), the state step leaves the weights as they were, and a run resumed from the
+    saved weights and flat state ends bitwise where the uninterrupted run does."""
+    why = import_torchtitan()
+    if why:
+        pytest.skip(why)
+    import copy
+
+    from torchtitan.components.optimizer.utils import (get_flat_optim_state_dict, init_optim_state,
+                                                       load_flat_optim_state_dict)
+
+    from overlap_muon import OverlapMuon
+    from tests.models import ADAMW_KW, HP, Deep
+
+    def build(model):
+        model.gain = nn.Parameter(torch.ones(16))
+        return model
+
+    def steps(model, opt, seeds):
+        for s in seeds:
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(s))
+            (model(x) * model.gain).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(0)
+    model = build(Deep(n=3))
+    opt = OverlapMuon(model, **HP, adamw_kwargs=ADAMW_KW)
+    assert all(len(g["param_names"]) == len(g["params"]) for g in opt.param_groups)
+    fresh = [p.detach().clone() for p in model.parameters()]
+    init_optim_state(opt)  # the zero step on a fresh optimizer changes no weight
+    assert all(torch.equal(a, b) for a, b in zip(fresh, model.parameters()))
+    steps(model, opt, [1, 2])
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(get_flat_optim_state_dict(opt))
+    assert "state.layers.0.weight.momentum_buffer" in saved_opt and "state.gain.exp_avg" in saved_opt
+    steps(model, opt, [3, 4])
+    opt.close()
+
+    torch.manual_seed(0)
+    resumed = build(Deep(n=3))
+    resumed.load_state_dict(saved_model)
+    opt2 = OverlapMuon(resumed, **HP, adamw_kwargs=ADAMW_KW)
+    init_optim_state(opt2)
+    load_flat_optim_state_dict(opt2, saved_opt)
+    steps(resumed, opt2, [3, 4])
+    opt2.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))

@@ -237,3 +237,61 @@ def test_torchtitan_flat_checkpoint_resumes_bitwise():
     steps(resumed, opt2, [3, 4])
     opt2.close()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+def test_container_chosen_in_config_with_scheduler_and_flat_checkpoint():
+    """``OverlapMuonContainer.Config(...).build(model_parts=...)``, as torchtitan's ``Trainer`` builds
+    ``config.optimizer``, with torchtitan's own ``LRSchedulersContainer`` (warmup then linear decay, over every
+    group): bitwise ``torch.optim.Muon`` + ``AdamW`` under the same ``LambdaLR``; the container's flat state dict
+    (what torchtitan's checkpointer saves) and the scheduler's resume a new container bitwise."""
+    why = import_torchtitan()
+    if why:
+        pytest.skip(why)
+    import copy
+
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    from overlap_muon.torchtitan import OverlapMuonContainer
+    from tests.models import ADAMW_KW, HP, MuonAdamW
+
+    def grads(model, step):
+        gen = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+
+    def run(model, opts, scheds, steps):
+        for s in steps:
+            grads(model, s)
+            opts.step()
+            scheds.step()
+            opts.zero_grad()
+
+    def build(model):
+        opts = OverlapMuonContainer.Config(**HP, adamw=ADAMW_KW).build(model_parts=[model])
+        return opts, LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opts, training_steps=6)
+
+    torch.manual_seed(0)
+    model = _tiny_llama3()
+    ref = copy.deepcopy(model)
+    opts, scheds = build(model)
+    names = set(opts.optimizers[0].muon_param_names)
+    named = dict(ref.named_parameters())
+    ref_opt = MuonAdamW([p for n, p in named.items() if n in names], [p for n, p in named.items() if n not in names])
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, scheds.schedulers[0].lr_lambdas[0])
+    run(model, opts, scheds, [0, 1, 2])
+    saved = copy.deepcopy((model.state_dict(), opts.state_dict(), scheds.state_dict()))
+    run(model, opts, scheds, [3, 4, 5])
+    run(ref, ref_opt, ref_sched, range(6))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    for opt in opts:
+        opt.close()
+
+    resumed = _tiny_llama3()
+    resumed.load_state_dict(saved[0])
+    opts2, scheds2 = build(resumed)
+    opts2.load_state_dict(saved[1])
+    scheds2.load_state_dict(saved[2])
+    run(resumed, opts2, scheds2, [3, 4, 5])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    for opt in opts2:
+        opt.close()

@@ -239,16 +239,11 @@ def test_torchtitan_flat_checkpoint_resumes_bitwise():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
 
 
-def test_container_chosen_in_config_with_scheduler_and_flat_checkpoint():
-    """``OverlapMuonContainer.Config(...).build(model_parts=...)``, as torchtitan's ``Trainer`` builds
-    ``config.optimizer``, with torchtitan's own ``LRSchedulersContainer`` (warmup then linear decay, over every
-    group): bitwise ``torch.optim.Muon`` + ``AdamW`` under the same ``LambdaLR``; the container's flat state dict
-    (what torchtitan's checkpointer saves) and the scheduler's resume a new container bitwise."""
-    why = import_torchtitan()
-    if why:
-        pytest.skip(why)
+def _container_body(rank, world, folder):
+    import_torchtitan()
     import copy
 
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer
 
     from overlap_muon.torchtitan import OverlapMuonContainer
@@ -268,30 +263,48 @@ def test_container_chosen_in_config_with_scheduler_and_flat_checkpoint():
 
     def build(model):
         opts = OverlapMuonContainer.Config(**HP, adamw=ADAMW_KW).build(model_parts=[model])
-        return opts, LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opts, training_steps=6)
+        scheds = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opts, training_steps=6)
+        ckpt = CheckpointManager(CheckpointManager.Config(enable=True, interval=1, last_save_model_only=False),
+                                 dataloader=None, model_parts=[model], optimizers=opts, lr_schedulers=scheds,
+                                 states={}, sd_adapter=None, base_folder=folder)
+        return opts, scheds, ckpt
 
     torch.manual_seed(0)
     model = _tiny_llama3()
     ref = copy.deepcopy(model)
-    opts, scheds = build(model)
+    opts, scheds, ckpt = build(model)
     names = set(opts.optimizers[0].muon_param_names)
     named = dict(ref.named_parameters())
     ref_opt = MuonAdamW([p for n, p in named.items() if n in names], [p for n, p in named.items() if n not in names])
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, scheds.schedulers[0].lr_lambdas[0])
     run(model, opts, scheds, [0, 1, 2])
-    saved = copy.deepcopy((model.state_dict(), opts.state_dict(), scheds.state_dict()))
+    ckpt.save(curr_step=3)
+    ckpt.close()
     run(model, opts, scheds, [3, 4, 5])
     run(ref, ref_opt, ref_sched, range(6))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    same_as_torch = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     for opt in opts:
         opt.close()
 
+    torch.manual_seed(1)  # other initial weights: the checkpoint must bring them
     resumed = _tiny_llama3()
-    resumed.load_state_dict(saved[0])
-    opts2, scheds2 = build(resumed)
-    opts2.load_state_dict(saved[1])
-    scheds2.load_state_dict(saved[2])
+    opts2, scheds2, ckpt2 = build(resumed)
+    loaded = ckpt2.load(step=3)
     run(resumed, opts2, scheds2, [3, 4, 5])
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    same_as_uninterrupted = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    ckpt2.close()
     for opt in opts2:
         opt.close()
+    return same_as_torch, loaded, same_as_uninterrupted
+
+
+def test_container_chosen_in_config_with_scheduler_and_checkpointer(tmp_path):
+    """``OverlapMuonContainer.Config(...).build(model_parts=...)``, as torchtitan's ``Trainer`` builds
+    ``config.optimizer``, with torchtitan's own ``LRSchedulersContainer`` (warmup then linear decay, over every
+    group): bitwise ``torch.optim.Muon`` + ``AdamW`` under the same ``LambdaLR``; torchtitan's ``CheckpointManager``
+    (DCP, FQN-keyed flat optimizer state) saves at step 3 and a new model, container and scheduler loaded from it end
+    bitwise where the uninterrupted run does."""
+    why = import_torchtitan()
+    if why:
+        pytest.skip(why)
+    assert run_ranks(_container_body, 1, str(tmp_path), timeout=150) == [(True, True, True)]

@@ -38,7 +38,7 @@ class OverlapMuonCallback(Callback):
         # DDPStrategy(**kwargs) keeps the DDP keyword arguments here (no public setter): the wrap comes after setup
         kwargs = getattr(strategy, "_ddp_kwargs", None) if isinstance(strategy, DDPStrategy) else None
         if isinstance(kwargs, dict):
-            kwargs["gradient_as_bucket_view"] = True
+            kwargs.setdefault("gradient_as_bucket_view", True)  # a value the user chose stays (on_fit_start warns)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         ddp = trainer.strategy.model

@@ -82,3 +82,50 @@ def test_lightning_configure_optimizers_bitwise_and_overlapped(world, trainer_kw
     for bad, reruns, waves in run_ranks(_lightning_body, world, trainer_kw, timeout=250):
         assert bad == [], bad
         assert (reruns > 0) == (trainer_kw.get("gradient_clip_val") == 1e-4), (reruns, waves)
+
+
+def _resume_body(rank, world, folder):
+    """4 steps at once, and 2 steps, a Lightning checkpoint, then a new Trainer resuming to step 4 from it."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from overlap_muon import OverlapMuon
+    from overlap_muon.lightning import OverlapMuonCallback
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net, self.gain = Deep(n=3, d=16), nn.Parameter(torch.ones(16))
+
+        def training_step(self, batch, _):
+            (x,) = batch
+            return (self.net(x) * self.gain).pow(2).mean()
+
+        def configure_optimizers(self):
+            return OverlapMuon(self, **HP, adamw_kwargs=ADAMW_KW)
+
+    def fit(steps, ckpt=None, save=False):
+        model = Lit()
+        callbacks = [OverlapMuonCallback()] + ([ModelCheckpoint(dirpath=folder, every_n_train_steps=2,
+                                                               save_top_k=-1)] if save else [])
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
+                            enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False)
+        data = TensorDataset(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)))  # 2 steps an epoch
+        trainer.fit(model, DataLoader(data, batch_size=4), ckpt_path=ckpt)
+        trainer.optimizers[0].close()
+        return model
+
+    whole = fit(4)
+    fit(2, save=True)
+    resumed = fit(4, ckpt=os.path.join(folder, "epoch=0-step=2.ckpt"))
+    return [n for (n, p), q in zip(whole.named_parameters(), resumed.parameters()) if not torch.equal(p, q)]
+
+
+@pytest.mark.timeout(200)
+def test_lightning_checkpoint_resumes_bitwise(tmp_path):
+    """Lightning's checkpoint (``ModelCheckpoint``; ``Trainer.fit(ckpt_path=...)`` reloads the optimizer's
+    ``state_dict``): 2 steps, save, resume to 4 ends bitwise where 4 steps at once do. The checkpoint closes an epoch:
+    resumed mid-epoch, Lightning restarts a plain ``DataLoader``'s epoch, whatever the optimizer."""
+    assert run_ranks(_resume_body, 1, str(tmp_path), timeout=150) == [[]]

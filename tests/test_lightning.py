@@ -15,32 +15,34 @@ from torch import nn
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, Deep, MuonAdamW
 
-pytest.importorskip("lightning", reason="the tests drive Lightning's own Trainer")
+L = pytest.importorskip("lightning", reason="the tests drive Lightning's own Trainer")
 
 STEPS = 4
+
+
+class Lit(L.LightningModule):
+    """Deep's linears to Muon, the gain to AdamW; ``make_opt(module)`` is its ``configure_optimizers``."""
+
+    def __init__(self, make_opt) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.gain, self.make_opt = Deep(n=4, d=16), nn.Parameter(torch.ones(16)), make_opt
+
+    def training_step(self, batch, _):
+        (x,) = batch
+        return (self.net(x) * self.gain).pow(2).mean()
+
+    def configure_optimizers(self):
+        return self.make_opt(self)
 
 
 def _fit(make_opt, world: int, callbacks: list, trainer_kw: dict):
     """``Trainer.fit`` of a small module for STEPS steps; ``make_opt(module)`` is its ``configure_optimizers``,
     ``trainer_kw`` more of ``Trainer``'s arguments."""
-    import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    class Lit(L.LightningModule):  # Deep's linears to Muon, the gain to AdamW
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net, self.gain = Deep(n=4, d=16), nn.Parameter(torch.ones(16))
-
-        def training_step(self, batch, _):
-            (x,) = batch
-            return (self.net(x) * self.gain).pow(2).mean()
-
-        def configure_optimizers(self):
-            return make_opt(self)
-
     data = TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)))
-    model = Lit()
+    model = Lit(make_opt)
     trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=world, num_nodes=1,
                         strategy="ddp" if world > 1 else "auto", callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -86,28 +88,14 @@ def test_lightning_configure_optimizers_bitwise_and_overlapped(world, trainer_kw
 
 def _resume_body(rank, world, folder):
     """4 steps at once, and 2 steps, a Lightning checkpoint, then a new Trainer resuming to step 4 from it."""
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
     from overlap_muon import OverlapMuon
     from overlap_muon.lightning import OverlapMuonCallback
 
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net, self.gain = Deep(n=3, d=16), nn.Parameter(torch.ones(16))
-
-        def training_step(self, batch, _):
-            (x,) = batch
-            return (self.net(x) * self.gain).pow(2).mean()
-
-        def configure_optimizers(self):
-            return OverlapMuon(self, **HP, adamw_kwargs=ADAMW_KW)
-
     def fit(steps, ckpt=None, save=False):
-        model = Lit()
+        model = Lit(lambda m: OverlapMuon(m, **HP, adamw_kwargs=ADAMW_KW))
         callbacks = [OverlapMuonCallback()] + ([ModelCheckpoint(dirpath=folder, every_n_train_steps=2,
                                                                save_top_k=-1)] if save else [])
         trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,

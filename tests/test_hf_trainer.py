@@ -166,3 +166,23 @@ def test_accelerate_clip_on_fsdp2_grads(max_norm):
     every step re-runs every wave."""
     for reruns, waves, bit in run_ranks(_accelerate_clip_fsdp2_body, 2, max_norm, timeout=120):
         assert reruns == waves * bit and bit == (0 if max_norm == float("inf") else STEPS), (reruns, waves, bit)
+
+
+def test_callback_without_the_trainer_says_the_fix():
+    """Built without the trainer, the callback cannot ask Accelerate for bucket views before Trainer's DDP wrap: on
+    a replicated (DDP) job it warns once, with the fix; it still takes the optimizer Accelerate wraps, and refuses
+    another optimizer."""
+    import types
+
+    from overlap_muon.hf import OverlapMuonCallback
+    from tests.models import Deep
+
+    model = Deep(n=2)
+    opt = OverlapMuon(model, **HP)
+    wrapped = types.SimpleNamespace(optimizer=opt)  # as Accelerate's AcceleratedOptimizer holds it
+    with pytest.warns(UserWarning, match=r"trainer.add_callback\(OverlapMuonCallback\(trainer\)\)"):
+        OverlapMuonCallback().on_train_begin(types.SimpleNamespace(world_size=2), None, None, optimizer=wrapped)
+    with pytest.raises(TypeError, match="not an OverlapMuon"):
+        OverlapMuonCallback().on_train_begin(types.SimpleNamespace(world_size=1), None, None,
+                                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.close()

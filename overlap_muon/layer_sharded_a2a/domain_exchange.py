@@ -126,7 +126,7 @@ def to_homes(
             return [shards[i].contiguous() for i in mine], mine
         route = _cached(plan, "fused_to", (("op", "fused_to"),), lambda sig: _fused_to(sig, p, domain))
         if key is not None:
-            plan["replay_to"] = (key, (route, mine, (p.dtype, p.device)))
+            plan["replay_to"] = (key, (route, tuple(mine), (p.dtype, p.device)))
         return _execute(route, shards, domain.flat_group, p.dtype, p.device, buffers), mine
     meta = (p.dtype, p.device)
     coords = [divmod(h, T) for h in p.homes]

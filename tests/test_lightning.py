@@ -72,10 +72,18 @@ def _lightning_body(rank, world, trainer_kw):
     return bad, reruns, waves
 
 
+_SLOW = pytest.mark.slow  # the default tier keeps one case of each: DDP plain, then one device for the others
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("trainer_kw", [{}, {"accumulate_grad_batches": 2}, {"gradient_clip_val": 1e3},
-                                        {"gradient_clip_val": 1e-4}], ids=["plain", "accumulate", "clip", "clip_bites"])
+@pytest.mark.parametrize("world, trainer_kw", [
+    pytest.param(2, {}, id="ddp-plain"), pytest.param(1, {}, id="one-plain", marks=_SLOW),
+    pytest.param(1, {"accumulate_grad_batches": 2}, id="one-accumulate"),
+    pytest.param(2, {"accumulate_grad_batches": 2}, id="ddp-accumulate", marks=_SLOW),
+    pytest.param(1, {"gradient_clip_val": 1e3}, id="one-clip", marks=_SLOW),
+    pytest.param(2, {"gradient_clip_val": 1e3}, id="ddp-clip", marks=_SLOW),
+    pytest.param(1, {"gradient_clip_val": 1e-4}, id="one-clip_bites"),
+    pytest.param(2, {"gradient_clip_val": 1e-4}, id="ddp-clip_bites", marks=_SLOW)])
 def test_lightning_configure_optimizers_bitwise_and_overlapped(world, trainer_kw):
     """One device and ``strategy="ddp"``: bitwise, and no wave re-runs, also with gradient accumulation (Lightning
     skips DDP's sync on the first micro-batches; their waves are superseded by the last backward's) and a clip that

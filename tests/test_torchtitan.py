@@ -38,7 +38,7 @@ def _tiny_llama3():
     return cfg.build()
 
 
-def _llama3_body(rank, world, tp):
+def _llama3_body(rank, world, tp, container=False):
     import_torchtitan()
     from torch.distributed.tensor import DTensor
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -60,9 +60,21 @@ def _llama3_body(rank, world, tp):
     parallelize_llama(model, parallel_dims=dims, parallelism=par, compile_config=CompileConfig(), ac_config=None,
                       training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
                       dump_folder="/tmp")
-    scope = {"model": model}
-    exec(doc_snippet("docs/usage.md", "With torchtitan"), scope)  # the doc's snippet, verbatim
-    opt = scope["opt"]
+    if container:  # chosen in torchtitan's config: the container its Trainer builds from config.optimizer
+        from overlap_muon.torchtitan import OverlapMuonContainer
+
+        attn = model.layers["0"].attention
+        qkv = QKVSplit(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, layout="grouped")
+        opts = OverlapMuonContainer.Config(
+            lr=0.02, adamw=dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1),
+            options=dict(split={"layers.*.attention.qkv_linear.wqkv.weight": qkv},
+                         adamw_groups=[{"params": lambda n, p: p.ndim == 1, "weight_decay": 0.0}]),
+        ).build(model_parts=[model])
+        opt = opts.optimizers[0]
+    else:
+        scope = {"model": model}
+        exec(doc_snippet("docs/usage.md", "With torchtitan"), scope)  # the doc's snippet, verbatim
+        opt = opts = scope["opt"]
     named = dict(model.named_parameters())
     # The reference: one process, wqkv as its Q, K, V parts (each its own Muon param), the rest whole.
     split = QKVSplit(n_heads=4, n_kv_heads=2, head_dim=16, layout="grouped")
@@ -91,8 +103,8 @@ def _llama3_body(rank, world, tp):
             p.grad = (grads[n] if k is None else grads[n][pieces[n][k]]).clone()
         for n, p in adamw.items():
             p.grad = grads[n].clone()
-        opt.step()
-        opt.zero_grad()
+        opts.step()
+        opts.zero_grad()
         mu.step()
         aw.step()
     opt.synchronize()
@@ -129,6 +141,18 @@ def test_llama3_doc_snippet_bitwise(world, tp):
         assert mesh_names == (("fsdp", "tp") if tp > 1 else ("fsdp",)), mesh_names
         assert "lm_head.weight" not in names and "layers.1.attention.qkv_linear.wqkv.weight" in names, names
         assert not bad, bad
+
+
+@pytest.mark.timeout(600)
+def test_llama3_container_from_config_fsdp2():
+    """The same at FSDP 2 with the optimizer chosen in torchtitan's config: ``OverlapMuonContainer.Config(...)``
+    built on the model part as torchtitan's ``Trainer`` builds ``config.optimizer`` (the split and the AdamW groups
+    passed through ``options``), on the params' own mesh."""
+    why = import_torchtitan()
+    if why:
+        pytest.skip(why)
+    for bad, mesh_names, _ in run_ranks(_llama3_body, 2, 1, True, timeout=500):
+        assert mesh_names == ("fsdp",) and not bad, (mesh_names, bad)
 
 
 @pytest.mark.bf16_heavy

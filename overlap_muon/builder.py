@@ -161,9 +161,9 @@ def place(model: nn.Module, config: OverlapMuonConfig, rank: int, *, muon_filter
     Raises:
         ValueError / TypeError: as ``OverlapMuon`` documents, on every rank.
     """
-    m = mesh
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     muon_named, adamw_named, expert_ids, errors = sort_params(model, muon_filter, experts)
+    m = dict(mesh, device_mesh=_params_mesh(muon_named, expert_ids, mesh))
     layouts, mesh_err = discover_layouts(m["device_mesh"], m["tp_group"], m["remat_group"], m["remat_dim"], m["tp_dim"])
     elayouts, emesh_err = discover_expert_layouts(m["expert_mesh"], m["etp_group"], m["ep_dim"], m["etp_dim"])
     stages = discover_stages(m["device_mesh"], m["pp_dim"], m["pp_group"])
@@ -200,16 +200,31 @@ def _stage_index(stages: list[list[int]], rank: int) -> int:
     return next(i for i, s in enumerate(stages) if rank in s)
 
 
+def _params_mesh(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], m: dict[str, Any]) -> Any:
+    """The ``device_mesh`` given; without one (and without groups), the one mesh every dense Muon DTensor lives on, as
+    ``fully_shard`` or a TP plan left them (``None`` when they live on several: :func:`_missing_mesh` says so)."""
+    if any(m[k] is not None for k in ("device_mesh", "tp_group", "remat_group")):
+        return m["device_mesh"]
+    meshes: list[Any] = []
+    for _, p in muon_named:
+        if isinstance(p, DTensor) and id(p) not in expert_ids and not any(p.device_mesh == x for x in meshes):
+            meshes.append(p.device_mesh)
+    return meshes[0] if len(meshes) == 1 else None
+
+
 def _missing_mesh(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], m: dict[str, Any]) -> str | None:
-    """One error (not one per param) when the dense Muon params are DTensors and no ``device_mesh`` was given."""
+    """One error (not one per param) when the dense Muon params are DTensors, no ``device_mesh`` was given and none
+    can be taken from them (:func:`_params_mesh`)."""
     dts = [(n, p) for n, p in muon_named if isinstance(p, DTensor) and id(p) not in expert_ids]
     if m["device_mesh"] is not None or not dts:
         return None
     n, p = dts[0]
     names = tuple(p.device_mesh.mesh_dim_names or ())
+    why = "explicit groups were given" if m["tp_group"] is not None or m["remat_group"] is not None else \
+        "they live on several meshes"
     return (f"{len(dts)} Muon params are DTensors (e.g. {n!r} on mesh dims {names or p.device_mesh.shape}) but no "
-            f"device_mesh was given: pass the mesh they live on and name its FSDP and TP dims, e.g. "
-            f"OverlapMuon(model, device_mesh=model.get_parameter({n!r}).device_mesh, remat_dim=..., tp_dim=...)")
+            f"device_mesh was given and {why}: pass the mesh of the dense weights and name its FSDP and TP dims, "
+            f"e.g. OverlapMuon(model, device_mesh=model.get_parameter({n!r}).device_mesh, remat_dim=..., tp_dim=...)")
 
 
 def _warn_layout(rank: int, multi: bool, experts: Any, adamw_named: list, muon_named: list, expert_ids: set[int],

@@ -12,7 +12,11 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["mesh_dims", "discover_layouts", "my_coords", "discover_expert_layouts"]
+__all__ = ["mesh_dims", "discover_layouts", "my_coords", "discover_expert_layouts", "REMAT_NAMES"]
+
+#: What frameworks name the dim FSDP shards the params over: torchtitan (``fsdp``, ``dp_shard`` by version), Lightning
+#: (``data_parallel``).
+REMAT_NAMES = ("fsdp", "dp_shard", "data_parallel")
 
 
 def mesh_dims(mesh: Any, remat_dim: str | None = "remat", tp_dim: str | None = "tp") -> tuple[
@@ -26,7 +30,10 @@ def mesh_dims(mesh: Any, remat_dim: str | None = "remat", tp_dim: str | None = "
 
     * 1-D mesh: its dim is TP when named ``tp_dim``, remat otherwise (also when unnamed).
     * n-D mesh: ``remat_dim`` and ``tp_dim`` must be dim names of the mesh (``None`` leaves that dim out), e.g.
-      torchtitan's ``("dp_shard", "tp")`` with ``remat_dim="dp_shard"``.
+      torchtitan's ``("dp_shard", "tp")`` with ``remat_dim="dp_shard"``. Left at their defaults (``"remat"``,
+      ``"tp"``) on a mesh without those names, they take the names the frameworks give these dims: remat the first
+      of :data:`REMAT_NAMES` the mesh has, TP ``"tensor_parallel"`` (Lightning's). A wrong guess cannot pass
+      unnoticed: every Muon param's placements are then checked against the dims taken.
 
     Returns:
         ``error`` is a message naming the mesh's dims and the expectation (or ``None``).
@@ -37,6 +44,10 @@ def mesh_dims(mesh: Any, remat_dim: str | None = "remat", tp_dim: str | None = "
     if not names:
         return (None, None), (f"a {mesh.ndim}-D device_mesh needs dim names (init_device_mesh(..., mesh_dim_names=...)) "
                               "to tell its remat and TP dims apart")
+    if remat_dim == "remat" and "remat" not in names:
+        remat_dim = next((d for d in REMAT_NAMES if d in names), remat_dim)
+    if tp_dim == "tp" and "tp" not in names and "tensor_parallel" in names:
+        tp_dim = "tensor_parallel"
     if remat_dim is not None and remat_dim == tp_dim:
         return (None, None), f"remat_dim and tp_dim are both {remat_dim!r}; they must be different dims"
     missing = [(arg, v) for arg, v in (("remat_dim", remat_dim), ("tp_dim", tp_dim)) if v is not None and v not in names]

@@ -125,3 +125,55 @@ def test_lightning_checkpoint_resumes_bitwise(tmp_path):
     ``state_dict``): 2 steps, save, resume to 4 ends bitwise where 4 steps at once do. The checkpoint closes an epoch:
     resumed mid-epoch, Lightning restarts a plain ``DataLoader``'s epoch, whatever the optimizer."""
     assert run_ranks(_resume_body, 1, str(tmp_path), timeout=150) == [[]]
+
+
+def _model_parallel_body(rank, world):
+    """``ModelParallelStrategy`` (FSDP2 over ``data_parallel`` in ``configure_model``): OverlapMuon(self) finds the
+    mesh of the sharded params by itself; overlap on and off, the same fit."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from overlap_muon import OverlapMuon
+    from overlap_muon.lightning import OverlapMuonCallback
+
+    os.environ["LOCAL_RANK"] = str(rank)
+
+    class Sharded(Lit):
+        def forward(self, x):  # FSDP2 gathers the root's params around forward, which training_step is not
+            return self.net(x) * self.gain
+
+        def training_step(self, batch, _):
+            (x,) = batch
+            return self(x).pow(2).mean()
+
+        def configure_model(self):
+            for layer in self.net.layers:
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+    def fit(overlap):
+        made: list = []
+        model = Sharded(lambda m: made.append(OverlapMuon(m, **HP, adamw_kwargs=ADAMW_KW, overlap=overlap))
+                        or made[-1])
+        trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=world, num_nodes=1,
+                            strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                            callbacks=[OverlapMuonCallback()], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        data = TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)))
+        trainer.fit(model, DataLoader(data, batch_size=4))
+        made[0].synchronize()
+        out = [p.full_tensor() for p in model.parameters()], made[0].stats["reruns"]
+        made[0].close()
+        return out
+
+    (on, reruns), (off, _) = fit(True), fit(False)
+    return all(torch.equal(a, b) for a, b in zip(on, off)), reruns
+
+
+@pytest.mark.timeout(300)
+def test_lightning_model_parallel_fsdp2():
+    """``ModelParallelStrategy`` on 2 CPU ranks, FSDP2 applied in ``configure_model``: ``OverlapMuon(self)`` needs no
+    ``device_mesh`` (the params' one mesh is taken), bitwise overlap off, no wave re-runs."""
+    for same, reruns in run_ranks(_model_parallel_body, 2, timeout=250):
+        assert same and reruns == 0, (same, reruns)

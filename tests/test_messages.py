@@ -83,22 +83,39 @@ def _missing_mesh_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = TinyNet()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)))
+    torch.manual_seed(0)
+    models = [TinyNet() for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for m in models[:2]:
+        fully_shard(m, mesh=mesh)
+    fully_shard(models[2].up, mesh=mesh)  # the dense weights on two meshes: no single one to take
+    fully_shard(models[2], mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("other",)))
+    inferred, given = OverlapMuon(models[0], **HP), OverlapMuon(models[1], device_mesh=mesh, **HP)
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(rank))
+    for m, o in ((models[0], inferred), (models[1], given)):
+        m(x).square().sum().backward()
+        o.step()
+        o.close()
+    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(models[0].parameters(),
+                                                                               models[1].parameters()))
     try:
-        OverlapMuon(model, **HP)
+        OverlapMuon(models[2], **HP)
     except ValueError as e:
-        return str(e)
-    return None
+        return same, str(e)
+    return same, None
 
 
 @pytest.mark.timeout(120)
 def test_missing_mesh_is_one_error_with_the_fix():
-    """DTensor params without device_mesh: one error for all of them (it was one per param), naming the fix."""
-    for msg in run_ranks(_missing_mesh_body, 2, timeout=100):
+    """DTensor params without ``device_mesh``: the one mesh they live on is taken (bitwise the mesh given); on
+    several meshes, one error for all of them (it was one per param), naming the fix."""
+    for same, msg in run_ranks(_missing_mesh_body, 2, timeout=100):
+        assert same
         assert msg is not None and msg.count("no device_mesh was given") == 1, msg
         _one_paragraph(msg, 500)
-        assert "device_mesh=model.get_parameter(" in msg and "remat_dim=" in msg
+        assert "device_mesh=model.get_parameter(" in msg and "remat_dim=" in msg and "several meshes" in msg
 
 
 def _bad_setting_body(rank, world):

@@ -184,10 +184,10 @@ def test_torchtitan_named_mesh_bitwise(shape, names, domain):
 def _wrong_name_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("fsdp", "tp"))
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("shards", "tp"))
     torch.manual_seed(0)
     model = TitanLike()
-    _parallelize_titan(model, mesh, ("fsdp",))
+    _parallelize_titan(model, mesh, ("shards",))
     try:
         OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, **HP)  # remat_dim defaults to "remat"
     except ValueError as e:
@@ -201,7 +201,7 @@ def test_wrong_mesh_name_is_one_short_error():
     ... on a 1x1 domain" clauses (4 KB for a 12-matrix model). Now the mesh error alone, naming the dims."""
     for msg in run_ranks(_wrong_name_body, 2, timeout=90):
         assert msg is not None
-        assert "('fsdp', 'tp')" in msg and "remat_dim='remat'" in msg, msg
+        assert "('shards', 'tp')" in msg and "remat_dim='remat'" in msg, msg
         assert "local shape" not in msg and "Muon param" not in msg, msg
         assert len(msg) < 500, msg
 
@@ -223,6 +223,10 @@ def test_mesh_dims_rules():
     assert mesh_dims(mesh("dp_shard")) == (("dp_shard", None), None)  # 1-D: remat unless named tp_dim
     assert "tp_dim='model'" in mesh_dims(mesh("dp_shard", "tp"), "dp_shard", "model")[1]
     assert "both" in mesh_dims(mesh("a", "b"), "a", "a")[1]
+    # the defaults take the frameworks' names: torchtitan's, an HSDP mesh's, Lightning's
+    assert mesh_dims(mesh("fsdp", "tp")) == (("fsdp", "tp"), None)
+    assert mesh_dims(mesh("dp_replicate", "dp_shard", "tp")) == (("dp_shard", "tp"), None)
+    assert mesh_dims(mesh("data_parallel", "tensor_parallel")) == (("data_parallel", "tensor_parallel"), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def mesh_dims(mesh: Any, remat_dim: str | None = "remat", tp_dim: str | None = "
     (e.g. ``dp_replicate`` of an HSDP mesh): it is not part of the domain, each of its indices holds its own domain
     (:func:`discover_layouts`), and the Muon params must be ``Replicate`` on it.
 
-    * 1-D mesh: its dim is TP when named ``tp_dim``, remat otherwise (also when unnamed).
+    * 1-D mesh: its dim is TP when named ``tp_dim`` (left at ``"tp"``: also when named ``"tensor_parallel"``), remat
+      otherwise (also when unnamed).
     * n-D mesh: ``remat_dim`` and ``tp_dim`` must be dim names of the mesh (``None`` leaves that dim out), e.g.
       torchtitan's ``("dp_shard", "tp")`` with ``remat_dim="dp_shard"``. Left at their defaults (``"remat"``,
       ``"tp"``) on a mesh without those names, they take the names the frameworks give these dims: remat the first
@@ -39,6 +40,8 @@ def mesh_dims(mesh: Any, remat_dim: str | None = "remat", tp_dim: str | None = "
         ``error`` is a message naming the mesh's dims and the expectation (or ``None``).
     """
     names = tuple(mesh.mesh_dim_names or ())
+    if tp_dim == "tp" and "tp" not in names and "tensor_parallel" in names:
+        tp_dim = "tensor_parallel"
     if mesh.ndim == 1:
         return ((None, names[0]) if names and names[0] == tp_dim else (names[0] if names else None, None)), None
     if not names:
@@ -46,8 +49,6 @@ def mesh_dims(mesh: Any, remat_dim: str | None = "remat", tp_dim: str | None = "
                               "to tell its remat and TP dims apart")
     if remat_dim == "remat" and "remat" not in names:
         remat_dim = next((d for d in REMAT_NAMES if d in names), remat_dim)
-    if tp_dim == "tp" and "tp" not in names and "tensor_parallel" in names:
-        tp_dim = "tensor_parallel"
     if remat_dim is not None and remat_dim == tp_dim:
         return (None, None), f"remat_dim and tp_dim are both {remat_dim!r}; they must be different dims"
     missing = [(arg, v) for arg, v in (("remat_dim", remat_dim), ("tp_dim", tp_dim)) if v is not None and v not in names]

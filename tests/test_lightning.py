@@ -127,11 +127,13 @@ def test_lightning_checkpoint_resumes_bitwise(tmp_path):
     assert run_ranks(_resume_body, 1, str(tmp_path), timeout=150) == [[]]
 
 
-def _model_parallel_body(rank, world):
-    """``ModelParallelStrategy`` (FSDP2 over ``data_parallel`` in ``configure_model``): OverlapMuon(self) finds the
-    mesh of the sharded params by itself; overlap on and off, the same fit."""
+def _model_parallel_body(rank, world, tp):
+    """``ModelParallelStrategy``, FSDP2 over ``data_parallel`` or (``tp``) Lightning's TP plan over ``tensor_parallel``
+    in ``configure_model``: OverlapMuon(self) finds the mesh of the sharded params by itself; overlap on and off, the
+    same fit."""
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.utils.data import DataLoader, TensorDataset
 
     from overlap_muon import OverlapMuon
@@ -148,6 +150,10 @@ def _model_parallel_body(rank, world):
             return self(x).pow(2).mean()
 
         def configure_model(self):
+            if tp:  # pairs: column-wise then row-wise, the activation between them sharded
+                plan = {f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(4)}
+                parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
+                return
             for layer in self.net.layers:
                 fully_shard(layer, mesh=self.device_mesh["data_parallel"])
             fully_shard(self, mesh=self.device_mesh["data_parallel"])
@@ -157,13 +163,15 @@ def _model_parallel_body(rank, world):
         model = Sharded(lambda m: made.append(OverlapMuon(m, **HP, adamw_kwargs=ADAMW_KW, overlap=overlap))
                         or made[-1])
         trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=world, num_nodes=1,
-                            strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                            strategy=ModelParallelStrategy(data_parallel_size=1 if tp else world,
+                                                           tensor_parallel_size=world if tp else 1),
                             callbacks=[OverlapMuonCallback()], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False)
         data = TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)))
         trainer.fit(model, DataLoader(data, batch_size=4))
         made[0].synchronize()
-        out = [p.full_tensor() for p in model.parameters()], made[0].stats["reruns"]
+        out = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()], \
+            made[0].stats["reruns"]
         made[0].close()
         return out
 
@@ -172,8 +180,10 @@ def _model_parallel_body(rank, world):
 
 
 @pytest.mark.timeout(300)
-def test_lightning_model_parallel_fsdp2():
-    """``ModelParallelStrategy`` on 2 CPU ranks, FSDP2 applied in ``configure_model``: ``OverlapMuon(self)`` needs no
-    ``device_mesh`` (the params' one mesh is taken), bitwise overlap off, no wave re-runs."""
-    for same, reruns in run_ranks(_model_parallel_body, 2, timeout=250):
+@pytest.mark.parametrize("tp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fsdp2", "tp2"])
+def test_lightning_model_parallel(tp):
+    """``ModelParallelStrategy`` on 2 CPU ranks, FSDP2 or TP applied in ``configure_model``: ``OverlapMuon(self)``
+    needs no ``device_mesh`` (the params' one mesh is taken, its dims recognized by Lightning's names), bitwise
+    overlap off, no wave re-runs."""
+    for same, reruns in run_ranks(_model_parallel_body, 2, tp, timeout=250):
         assert same and reruns == 0, (same, reruns)

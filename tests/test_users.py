@@ -227,6 +227,7 @@ def test_mesh_dims_rules():
     assert mesh_dims(mesh("fsdp", "tp")) == (("fsdp", "tp"), None)
     assert mesh_dims(mesh("dp_replicate", "dp_shard", "tp")) == (("dp_shard", "tp"), None)
     assert mesh_dims(mesh("data_parallel", "tensor_parallel")) == (("data_parallel", "tensor_parallel"), None)
+    assert mesh_dims(mesh("tensor_parallel")) == ((None, "tensor_parallel"), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

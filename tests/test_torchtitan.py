@@ -332,3 +332,53 @@ def test_container_chosen_in_config_with_scheduler_and_checkpointer(tmp_path):
     if why:
         pytest.skip(why)
     assert run_ranks(_container_body, 1, str(tmp_path), timeout=150) == [(True, True, True)]
+
+
+def test_container_two_model_parts_one_rank():
+    """Two model parts on one rank (the virtual stages of an interleaved pipeline schedule, each with its own names):
+    one ``OverlapMuon`` each, stepped, scheduled and checkpointed together, bitwise ``torch.optim.Muon`` + ``AdamW``
+    on the same split; the flat state dict holds each part's state under its own names."""
+    why = import_torchtitan()
+    if why:
+        pytest.skip(why)
+    import copy
+
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    from overlap_muon.torchtitan import OverlapMuonContainer
+    from tests.models import ADAMW_KW, HP, Deep, MuonAdamW
+
+    def part(name, n):
+        m = nn.Module()
+        setattr(m, name, Deep(n=n))
+        setattr(m, f"{name}_gain", nn.Parameter(torch.ones(16)))
+        return m
+
+    torch.manual_seed(0)
+    parts = [part("a", 2), part("b", 3)]
+    refs = copy.deepcopy(parts)
+    opts = OverlapMuonContainer.Config(**HP, adamw=ADAMW_KW).build(model_parts=parts)
+    scheds = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opts, training_steps=4)
+    assert len(opts) == 2
+    ref_opts = [MuonAdamW([p for p in r.parameters() if p.ndim == 2], [p for p in r.parameters() if p.ndim == 1])
+                for r in refs]
+    ref_scheds = [torch.optim.lr_scheduler.LambdaLR(o, scheds.schedulers[0].lr_lambdas[0]) for o in ref_opts]
+    for s in range(4):
+        gen = torch.Generator().manual_seed(s)
+        for a, b in zip([p for m in parts for p in m.parameters()], [p for m in refs for p in m.parameters()]):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        opts.step()
+        scheds.step()
+        opts.zero_grad()
+        for o, sch in zip(ref_opts, ref_scheds):
+            o.step()
+            sch.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for m, r in zip(parts, refs) for a, b in zip(m.parameters(), r.parameters()))
+    flat = opts.state_dict()
+    assert {k for k in flat if k.endswith("momentum_buffer")} == {
+        *(f"state.a.layers.{i}.weight.momentum_buffer" for i in range(2)),
+        *(f"state.b.layers.{i}.weight.momentum_buffer" for i in range(3))}
+    for opt in opts:
+        opt.close()

@@ -150,10 +150,7 @@ class ParamBinding:
                 f"OverlapMuon: the param groups hold params that are not the model's: {foreign[:8]}; the optimizer "
                 "follows params replaced in place of the model's own (fully_shard, Accelerate's preparation), not "
                 "new ones: build a new OverlapMuon on the changed model")
-        mesh = dict(self.recipe["mesh"])
-        if all(mesh[k] is None for k in ("device_mesh", "tp_group", "remat_group")):
-            mesh["device_mesh"] = dtensor_mesh(lists[0])
-        placed = builder.place(self.model, self.config, self.rank, **dict(self.recipe, mesh=mesh))
+        placed = self.place()  # without a device_mesh, the one the replaced params live on (builder._params_mesh)
         errors = rebind_errors(opt._state, moved, lists, placed)
         if errors:
             raise ValueError(f"OverlapMuon: the params were replaced, but {'; '.join(errors[:4])}")
@@ -162,7 +159,6 @@ class ParamBinding:
             group["params"], group["param_names"] = params, builder.param_names(self.model, params)
         self.finalizer()
         self._claim()
-        self.recipe["mesh"] = mesh
         self.bind(placed)
         self._reattach()
         return True
@@ -210,11 +206,6 @@ def follow_groups(groups: list[dict[str, Any]], bound: list[list[int]], names: d
             new.append(q)
         lists.append(new)
     return foreign, lists, moved
-
-
-def dtensor_mesh(params: list[Tensor]) -> Any:
-    """The ``DeviceMesh`` of the first DTensor among ``params`` (``None`` without one)."""
-    return next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
 
 
 def rebind_errors(state: dict[Tensor, Any], moved: list[tuple[int, Tensor]], lists: list[list[Tensor]],

@@ -231,16 +231,15 @@ class Runtime:
         Raises:
             ValueError: on every rank, the ranks disagree on gradient presence (nothing launched or applied).
         """
-        if not (ok and not self.config.overlap and not self.pipeline.has_pending()):
-            self.dispatcher.flush()
-            return False
-        self.agreement.presence([], self.pipeline.in_flight)
-        self.phase = StepPhase.SYNC_STEP
+        agreed = ok and not self.config.overlap and not self.pipeline.has_pending()
+        if agreed:
+            self.agreement.presence([], self.pipeline.in_flight)
+            self.phase = StepPhase.SYNC_STEP
         try:
             self.dispatcher.flush()
         finally:
             self.phase = StepPhase.STEP
-        return True
+        return agreed
 
     def commit_step(self, max_grad_norm: float | None, clip_params: list[Tensor]) -> tuple[bool, Tensor | None, int]:
         """``step()`` up to its applies: :meth:`prepare`, :meth:`launch_rest`, :meth:`commit` (in

@@ -3,7 +3,7 @@
 torchtitan builds its optimizer from ``config.optimizer`` (an ``OptimizersContainer.Config``) with
 ``config.optimizer.build(model_parts=...)``, after parallelizing the model. :class:`OverlapMuonContainer` is an
 ``OptimizersContainer`` whose ``Config`` takes Muon's and AdamW's hyper-parameters and builds one ``OverlapMuon`` per
-model part (a pipeline stage each), on the DTensor mesh of its params; torchtitan's ``Trainer``, its LR schedulers
+model part (a pipeline stage each), on the DTensor mesh of its params (``OverlapMuon`` takes it); torchtitan's ``Trainer``, its LR schedulers
 (which drive every param group, Muon's and AdamW's) and its checkpointer (the FQN-keyed flat state dict, which needs
 each group's ``param_names``) take it as they take the built-in container. In a config function::
 
@@ -20,7 +20,6 @@ from typing import Any
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
 
-from .binding import dtensor_mesh
 from .optimizer import OverlapMuon
 
 __all__ = ["OverlapMuonContainer"]
@@ -71,9 +70,8 @@ class OverlapMuonContainer(OptimizersContainer):
 
 
 def _kwargs(config: OverlapMuonContainer.Config, part: nn.Module) -> dict[str, Any]:
-    mesh = dtensor_mesh(list(part.parameters()))
-    dims = dict(remat_dim=config.remat_dim, tp_dim=config.tp_dim) if mesh is not None and mesh.ndim > 1 else {}
+    """``OverlapMuon``'s arguments for one model part (its mesh is the one its params live on)."""
     return dict(lr=config.lr, weight_decay=config.weight_decay, momentum=config.momentum, nesterov=config.nesterov,
                 ns_steps=config.ns_steps, adjust_lr_fn=config.adjust_lr_fn, adamw_kwargs=dict(config.adamw),
-                device_mesh=mesh, **dims, **config.options)
+                remat_dim=config.remat_dim, tp_dim=config.tp_dim, **config.options)
 

@@ -7,8 +7,8 @@ if __name__ == "hooks":  # the repository folder, found on the path from the rep
     raise ImportError("hooks/ is installed as overlap_muon.hooks: import overlap_muon.hooks")
 
 from .forward_wait import compile_boundary, fsdp_param_streams, params_read_by_module, register_forward_waits
-from .ownership import ParamOwners, weak_callback
-from .grad_ready import GradReadyTracker, attach_ddp_readiness, ddp_readiness_hook
+from .ownership import ParamOwners
+from .grad_ready import GradReadyTracker, attach_ddp_readiness, ddp_readiness_hook, weak_callback
 from .pipeline_stage import watch_stage
 
 __all__ = [

@@ -1,20 +1,35 @@
 """Gradient-ready signals: per-param autograd hooks, and a DDP comm hook that signals per averaged bucket.
 
-Generic: these report *param indices*; what happens next (a wave dispatcher, a recorder) is the caller's.
+Generic: these report *param indices*; what happens next (a wave dispatcher, a recorder) is the caller's. A hook
+registered on a model outlives the object that registered it unless it holds that object weakly
+(:func:`weak_callback`): a dropped optimizer whose hooks still fire would apply every update twice next to its
+replacement.
 """
 
 # No `from __future__ import annotations` here: DDP.register_comm_hook checks the hook's annotations as
 # objects (dist.GradBucket, torch.futures.Future[torch.Tensor]) and rejects strings.
 
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-__all__ = ["GradReadyTracker", "ddp_readiness_hook", "attach_ddp_readiness"]
+__all__ = ["GradReadyTracker", "ddp_readiness_hook", "attach_ddp_readiness", "weak_callback"]
+
+
+def weak_callback(method: Callable) -> Callable:
+    """``method`` (a bound method) as a callback that holds its object weakly; a no-op once it is collected."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        m = ref()
+        return None if m is None else m(*args)
+
+    return call
 
 
 class GradReadyTracker:

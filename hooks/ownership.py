@@ -1,7 +1,7 @@
-"""Hooks that do not keep their owner alive, and one live owner per param.
+"""One live owner per param: two optimizers driving the same params would apply every update twice.
 
-A training-loop hook registered on a model outlives the object that registered it unless it holds that object
-weakly: a dropped optimizer whose hooks still fire would apply every update twice next to its replacement.
+Hooks hold their owner weakly (``grad_ready.weak_callback``), so a dropped owner's hooks fall silent; a live one
+keeps its claim.
 """
 
 from __future__ import annotations
@@ -13,18 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["weak_callback", "ParamOwners"]
-
-
-def weak_callback(method: Callable) -> Callable:
-    """``method`` (a bound method) as a callback that holds its object weakly; a no-op once it is collected."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        m = ref()
-        return None if m is None else m(*args)
-
-    return call
+__all__ = ["ParamOwners"]
 
 
 class ParamOwners:

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import run_collective
 from .domain import Domain
+from .exchanges import run_collective
 from .placement import MuonParam
 from .wave_state import Hyper, WaveState
 

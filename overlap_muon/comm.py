@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from dataclasses import dataclass
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -20,7 +19,7 @@ from torch.distributed import ProcessGroup
 from .domain import Domain
 
 __all__ = ["CommContext", "build_comm", "domain_from_layouts", "domain_group", "DPSlots", "dp_slot_groups",
-           "stage_replicas", "run_collective"]
+           "stage_replicas"]
 
 
 def domain_from_layouts(
@@ -227,23 +226,3 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
                   domain_from_layouts(elayouts, timeout=timeout, with_ctrl=False), domain_group(elayouts, timeout))
     root = next((s[0] for s in stages or () if rank in s), 0)
     return CommContext(dom_to, dom_from, ctrl, team_group, dp, expert, stages, root)
-
-
-def run_collective(fn: Callable[[], Any], what: str, names: list[str], dom: Domain, op: str, fused: bool) -> Any:
-    """``fn()``, a collective; any error but a ``ValueError`` (bad input, already named and raised on every rank
-    before the collective) becomes a ``RuntimeError`` naming ``what`` (the wave and phase), the collective, the group
-    and ``names`` (the params), with the original chained."""
-    try:
-        return fn()
-    except ValueError:
-        raise
-    except Exception as e:
-        if fused or op == "all_gather":
-            g, kind = dom.flat_group, "flat R x T group"
-        else:
-            g, kind = dom.remat_group or dom.tp_group, "remat/TP groups"
-        ranks = dist.get_process_group_ranks(g) if g is not None else [dist.get_rank()]
-        raise RuntimeError(
-            f"OverlapMuon {what} failed on rank {dist.get_rank()} ({'fused' if fused else 'two-stage'} {op} over the "
-            f"runtime's {kind} {dom.remat_size}x{dom.tp_size}, global ranks {ranks}; params {names}): {e}"
-        ) from e

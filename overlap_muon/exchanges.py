@@ -9,7 +9,7 @@ builds one :class:`Exchange` per wave from it, and the wave pipeline calls the s
 * ``back_to_storage(leg)``: from the results to this rank's block of each result, in ``leg.positions`` order.
 
 Each exchange runs its own collectives (an error names the wave, the exchange, the group and the params:
-``comm.run_collective``). To add an exchange kind, add a class here and a kind to the planner; nothing else
+``run_collective``). To add an exchange kind, add a class here and a kind to the planner; nothing else
 branches on the kind.
 
 =============  ==================================================================================================
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import DPSlots, run_collective
+from .comm import DPSlots
 from .domain import Domain
 from .placement import MuonParam
 from .scheduler.kinds import WavePlan
@@ -47,7 +47,27 @@ from .layer_sharded_a2a import all_gather_full, from_homes, from_team, local_sha
 from .ns import split_ns, zeropower_each
 from .team_ns import team_zeropower_oriented
 
-__all__ = ["Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Local", "DPShared", "build_exchange"]
+__all__ = ["run_collective", "Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Local", "DPShared", "build_exchange"]
+
+
+def run_collective(fn: Callable[[], Any], what: str, names: list[str], dom: Domain, op: str, fused: bool) -> Any:
+    """``fn()``, a collective; any error but a ``ValueError`` (bad input, already named and raised on every rank
+    before the collective) becomes a ``RuntimeError`` naming ``what`` (the wave and phase), the collective, the group
+    and ``names`` (the params), with the original chained."""
+    try:
+        return fn()
+    except ValueError:
+        raise
+    except Exception as e:
+        if fused or op == "all_gather":
+            g, kind = dom.flat_group, "flat R x T group"
+        else:
+            g, kind = dom.remat_group or dom.tp_group, "remat/TP groups"
+        ranks = dist.get_process_group_ranks(g) if g is not None else [dist.get_rank()]
+        raise RuntimeError(
+            f"OverlapMuon {what} failed on rank {dist.get_rank()} ({'fused' if fused else 'two-stage'} {op} over the "
+            f"runtime's {kind} {dom.remat_size}x{dom.tp_size}, global ranks {ranks}; params {names}): {e}"
+        ) from e
 
 
 @dataclass(eq=False)

@@ -74,6 +74,10 @@ class OverlapMuonConfig:
     """Timeout of every process group the runtime creates, seconds."""
     readiness_order: str = _opt("reverse", "OVERLAP_MUON_READINESS_ORDER", choices=("reverse", "observed"))
     """Wave order: ``reverse`` registration order, or ``observed`` (rank 0's first-step order, broadcast)."""
+    learn_accumulation: bool = _opt(True, "OVERLAP_MUON_LEARN_ACCUMULATION", kind=bool)
+    """Overlap mode: count the backward passes between steps and launch the waves only from the one expected to be
+    the last before ``step()`` ([Note: learned accumulation] in ``scheduler/dispatch.py``): NS once per matrix
+    per step under gradient accumulation without ``no_sync()``. ``False``: every backward launches them."""
     skip_nonfinite: bool = _opt(False, "OVERLAP_MUON_SKIP_NONFINITE", kind=bool)
     """Skip the whole step on every rank when any Muon gradient on any rank is non-finite."""
     syrk: bool = _opt(False, "OVERLAP_MUON_SYRK", kind=bool)

@@ -47,7 +47,8 @@ from .layer_sharded_a2a import all_gather_full, from_homes, from_team, local_sha
 from .ns import split_ns, zeropower_each
 from .team_ns import team_zeropower_oriented
 
-__all__ = ["run_collective", "Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Local", "DPShared", "build_exchange"]
+__all__ = ["run_collective", "Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Local", "DPShared",
+           "build_exchange"]
 
 
 def run_collective(fn: Callable[[], Any], what: str, names: list[str], dom: Domain, op: str, fused: bool) -> Any:

@@ -93,8 +93,8 @@ class OverlapMuon(torch.optim.Optimizer):
     Attributes:
         domain, expert_domain: this rank's :class:`~overlap_muon.domain.Domain` (``R x T``, coordinates ``g, t``)
             and its expert domain (``1 x ETP``; ``1 x 1`` without one).
-        stats: counters: ``ns_matrices`` (NS'd on this rank), ``ns_calls``, ``waves_launched``, ``reruns`` (waves
-            re-run at ``step()`` because their inputs changed), ``steps``, ``skipped_steps``, ``clipped_steps``.
+        stats: counters: ``ns_matrices`` (NS'd on this rank), ``ns_calls``, ``waves_launched``, ``reruns`` (inputs
+            changed), ``held_backwards`` (launched nothing), ``steps``, ``skipped_steps``, ``clipped_steps``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.

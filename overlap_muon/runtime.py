@@ -26,7 +26,7 @@ from .forward_waits import ForwardWaits, ParamIndex
 from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
 from .messages import warn_user
 from .pipeline import WavePipeline
-from .scheduler import ReadinessRecorder, WaveDispatcher
+from .scheduler import BackwardCount, ReadinessRecorder, WaveDispatcher
 from .wave_state import Hyper
 
 __all__ = ["Runtime", "StepPhase"]
@@ -90,6 +90,7 @@ class Runtime:
         self.costs = builder.ns_costs(muon, ns_steps, config.gram_ns)
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
         self.phase = StepPhase.IDLE
+        self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
         self.handles: list[Any] = []
         self.tracker: GradReadyTracker | None = None
         self.waits: ForwardWaits | None = None
@@ -184,7 +185,7 @@ class Runtime:
 
     # hooks -> dispatcher -> pipeline
     def on_ready(self, first: int) -> None:
-        if self.phase is StepPhase.ACCUMULATING:
+        if self.phase is StepPhase.ACCUMULATING or self.config.learn_accumulation and self.backwards.holds():
             return
         for i in self.index.siblings[first]:
             if self.dispatcher.launched > self.index.wave_of[i]:
@@ -196,7 +197,11 @@ class Runtime:
             self.dispatcher.mark_ready(i)
 
     def on_backward_end(self) -> None:
-        if self.phase is not StepPhase.ACCUMULATING:
+        held = self.config.learn_accumulation and self.backwards.holds()
+        self.backwards.backward_ended()
+        if held:
+            self.pipeline.stats["held_backwards"] += 1
+        elif self.phase is not StepPhase.ACCUMULATING:
             self.dispatcher.flush()
 
     def _launch(self, wave: Any) -> None:
@@ -250,8 +255,10 @@ class Runtime:
         return ok, norm, self.commit(ok, agreed)
 
     def end_step(self) -> None:
-        """Leave the step (also when it raised): backward's hooks launch speculative waves again."""
+        """Leave the step (also when it raised): backward's hooks launch speculative waves again, from the backward
+        expected to be the last of the next step ([Note: learned accumulation] in ``scheduler/dispatch.py``)."""
         self.phase = StepPhase.IDLE
+        self.backwards.stepped()
 
     def commit(self, ok: bool, agreed: bool = False) -> int:
         """Validate the waves (stale ones re-run) and queue their applies with the hyper-parameters of now;

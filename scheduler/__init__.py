@@ -8,7 +8,7 @@ if __name__ == "scheduler":  # the repository folder, found on the path from the
     raise ImportError("scheduler/ is installed as overlap_muon.scheduler: import overlap_muon.scheduler")
 
 from .cost import ns_bytes, ns_flops
-from .dispatch import ReadinessRecorder, WaveDispatcher
+from .dispatch import BackwardCount, ReadinessRecorder, WaveDispatcher
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
 from .plan_hash import PlanDifference, first_plan_difference, param_fingerprints, plan_hash
 from .surplus import SurplusCostModel, SurplusPlan, plan_surplus
@@ -28,6 +28,7 @@ __all__ = [
     "plan_waves_by_cost",
     "WaveDispatcher",
     "ReadinessRecorder",
+    "BackwardCount",
     "plan_surplus",
     "SurplusPlan",
     "SurplusCostModel",

@@ -1,9 +1,24 @@
-"""Dispatch of the planned waves: the per-step state machine, and the recorder of the gradient-ready order.
+"""Dispatch of the planned waves: the per-step state machine, which backward launches them, and the recorder of the
+gradient-ready order.
 
 Dispatch (:class:`WaveDispatcher`) is the per-step state machine that turns gradient-ready marks, arriving in any
 order from any thread, into ``launch(wave)`` calls in strict wave order (docs/design.md, invariant 2: every rank
-issues the exchanges in the same order). :class:`ReadinessRecorder` measures the gradient-ready order that the plan
+issues the exchanges in the same order). :class:`BackwardCount` says which backward pass of a step's gradient
+accumulation launches them. :class:`ReadinessRecorder` measures the gradient-ready order that the plan
 (``scheduler/waves.py``) is built from.
+
+[Note: learned accumulation] A loop that accumulates gradients over ``n`` backward passes per step without
+``no_sync()`` would launch every wave from each of them, and each later backward makes the earlier launch stale:
+NS ``n`` times per matrix per step, exact but ``n`` times the work. :class:`BackwardCount` counts the backward
+passes between steps and, from the count of the steps before, says whether the backward running now is one the
+loop runs before its last: its gradients are not final, so its hooks launch nothing. A wrong guess stays exact:
+an extra backward makes the waves launched before it stale (they run again, as without the guess), a missing one
+leaves every launch to ``step()``.
+
+The guess (:attr:`BackwardCount.expected`) is the first step's count, then a count two steps in a row had: a
+shorter last accumulation of an epoch (one step with fewer passes) costs that step its overlap and leaves the
+guess as it was. Every rank runs the same backward passes (their collectives pair up), so every rank guesses the
+same and launches the same waves.
 """
 
 from __future__ import annotations
@@ -13,7 +28,7 @@ from typing import Callable, Sequence
 
 from .waves import Wave
 
-__all__ = ["WaveDispatcher", "ReadinessRecorder"]
+__all__ = ["WaveDispatcher", "BackwardCount", "ReadinessRecorder"]
 
 
 class WaveDispatcher:
@@ -143,6 +158,35 @@ class WaveDispatcher:
         finally:
             self._in_launch = False
             self._pending_flush = False
+
+
+class BackwardCount:
+    """Counts the backward passes between optimizer steps and guesses how many the next step will have.
+
+    Attributes:
+        expected: backward passes per step the loop is expected to run (1 until a step has been counted).
+    """
+
+    def __init__(self) -> None:
+        self.expected = 1
+        self._seen = 0  # backward passes ended since the last step
+        self._last: int | None = None  # the count of the step before
+
+    def holds(self) -> bool:
+        """The backward running now comes before the one expected to be the last of the step: launch nothing."""
+        return self._seen + 1 < self.expected
+
+    def backward_ended(self) -> None:
+        self._seen += 1
+
+    def stepped(self) -> None:
+        """A step ended: update the guess from its count (none counted: readiness came from elsewhere, e.g. DDP's
+        comm hook, and the guess stays)."""
+        n, self._seen = self._seen, 0
+        if n:
+            if self._last is None or n == self._last:
+                self.expected = n
+            self._last = n
 
 
 class ReadinessRecorder:

@@ -37,7 +37,7 @@ def _tiny_llama():
 
 
 def _fit(model: nn.Module, opt: torch.optim.Optimizer | None, max_grad_norm: float, callback: bool,
-         factory: dict | None = None):
+         factory: dict | None = None, accumulate: int = 1):
     """``Trainer.train()`` for STEPS steps (Trainer's default linear lr decay, no checkpoints), with ``opt`` or, given
     ``factory`` (OverlapMuon's keyword arguments), Trainer's factory route; returns the trainer."""
     from transformers import Trainer, TrainingArguments
@@ -49,7 +49,7 @@ def _fit(model: nn.Module, opt: torch.optim.Optimizer | None, max_grad_norm: flo
           for _ in range(16)]
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2,
                              report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=max_grad_norm,
-                             logging_steps=1, disable_tqdm=True, seed=0)
+                             logging_steps=1, disable_tqdm=True, seed=0, gradient_accumulation_steps=accumulate)
     route = dict(optimizers=(opt, None)) if factory is None else dict(optimizer_cls_and_kwargs=(OverlapMuonFactory,
                                                                                                  factory))
     trainer = Trainer(model=model, args=args, train_dataset=ds, **route)
@@ -61,7 +61,7 @@ def _fit(model: nn.Module, opt: torch.optim.Optimizer | None, max_grad_norm: flo
     return trainer
 
 
-def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory=False):
+def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory=False, accumulate=1):
     """Both runs on this rank; returns (differing params, re-runs, waves per step, steps where clipping bit)."""
     logging.disable(logging.WARNING)
     # Accelerate reads torchrun's variables: with them it wraps DDP; at world 1 it runs the plain loop without them.
@@ -87,18 +87,20 @@ def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory
         opt = trainer.optimizer.optimizer  # Accelerate's AcceleratedOptimizer wraps it
     else:
         opt = OverlapMuon(model, **HP, adamw_kwargs=ADAMW_KW, **kw)
-        trainer = _fit(model, opt, max_grad_norm, callback)
+        trainer = _fit(model, opt, max_grad_norm, callback, accumulate=accumulate)
     muon_names = set(opt.muon_param_names)
     bit = sum(h["grad_norm"] + 1e-6 > max_grad_norm > 0 for h in trainer.state.log_history if "grad_norm" in h)
     named = dict(ref.named_parameters())
     _fit(ref, MuonAdamW([named[n] for n in named if n in muon_names],
-                         [named[n] for n in named if n not in muon_names]), max_grad_norm, False)
+                         [named[n] for n in named if n not in muon_names]), max_grad_norm, False,
+         accumulate=accumulate)
     opt.synchronize()
     bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters())
            if not torch.equal(local(p).detach(), local(q).detach())]
     reruns, waves = opt.stats["reruns"], len(opt.waves)
+    ns = (opt.stats["ns_matrices"], len(muon_names))
     opt.close()
-    return bad, reruns, waves, bit
+    return bad, reruns, waves, bit, ns
 
 
 @pytest.mark.timeout(300)
@@ -108,7 +110,7 @@ def test_trainer_keeps_the_overlap_and_is_exact(max_grad_norm, world):
     """World 1 (no DDP) and world 2 (Trainer's DDP, with the callback): bitwise the reference, and waves re-run
     only on the steps where clipping bites (``max_grad_norm=0``: Trainer still clips with ``inf`` to log the norm;
     ``100``: never bites; ``1.0``: bites on this model's steps)."""
-    for bad, reruns, waves, bit in run_ranks(_trainer_body, world, max_grad_norm, timeout=250):
+    for bad, reruns, waves, bit, _ in run_ranks(_trainer_body, world, max_grad_norm, timeout=250):
         assert bad == [], bad
         assert reruns == waves * bit, (reruns, waves, bit)
         if max_grad_norm != 1.0:
@@ -119,7 +121,7 @@ def test_trainer_keeps_the_overlap_and_is_exact(max_grad_norm, world):
 def test_trainer_factory_route_keeps_the_overlap():
     """``optimizer_cls_and_kwargs=(OverlapMuonFactory, {...})``: Trainer builds the optimizer inside ``train()``; the
     callback, added before it exists, finds it there and attaches it to Trainer's DDP: bitwise, 0 re-runs."""
-    for bad, reruns, waves, bit in run_ranks(_trainer_body, 2, 100.0, factory=True, timeout=250):
+    for bad, reruns, waves, bit, _ in run_ranks(_trainer_body, 2, 100.0, factory=True, timeout=250):
         assert bad == [] and bit == 0 and reruns == 0, (bad, reruns, waves)
 
 
@@ -128,8 +130,18 @@ def test_fully_shard_then_trainer():
     """``fully_shard`` by hand, then ``Trainer`` (which moves the model with ``swap_tensors``): it trains, bitwise the
     reference, with no re-runs. (At world 2 Accelerate wraps an FSDP2 model in DDP and DDP fails on its DTensors,
     whatever the optimizer: Trainer needs its own FSDP plugin there, which refuses a machine without a GPU.)"""
-    for bad, reruns, _, _ in run_ranks(_trainer_body, 1, 0.0, False, True, timeout=150):
+    for bad, reruns, _, _, _ in run_ranks(_trainer_body, 1, 0.0, False, True, timeout=150):
         assert bad == [] and reruns == 0, (bad, reruns)
+
+
+@pytest.mark.timeout(200)
+def test_trainer_gradient_accumulation_without_no_sync():
+    """``gradient_accumulation_steps=2`` in one process (Accelerate has no DDP to skip): bitwise, no re-runs, and NS
+    once per matrix per step from the second step on ([Note: learned accumulation] in
+    ``scheduler/dispatch.py``): only the first step's first backward runs NS beyond that."""
+    for bad, reruns, _, _, (ns, mats) in run_ranks(_trainer_body, 1, 100.0, accumulate=2, timeout=150):
+        assert bad == [] and reruns == 0, (bad, reruns)
+        assert ns == mats * (STEPS + 1), (ns, mats)
 
 
 def _accelerate_clip_fsdp2_body(rank, world, max_norm):

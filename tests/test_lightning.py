@@ -67,9 +67,9 @@ def _lightning_body(rank, world, trainer_kw):
                                    [p for n, p in m.named_parameters() if n not in names]), world, [], trainer_kw)
     opt.synchronize()
     bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p, q)]
-    reruns, waves = opt.stats["reruns"], len(opt.waves)
+    reruns, waves, ns = opt.stats["reruns"], len(opt.waves), opt.stats["ns_matrices"]
     opt.close()
-    return bad, reruns, waves
+    return bad, reruns, waves, ns, len(names)
 
 
 _SLOW = pytest.mark.slow  # the default tier keeps one case of each: DDP plain, then one device for the others
@@ -85,13 +85,20 @@ _SLOW = pytest.mark.slow  # the default tier keeps one case of each: DDP plain, 
     pytest.param(1, {"gradient_clip_val": 1e-4}, id="one-clip_bites"),
     pytest.param(2, {"gradient_clip_val": 1e-4}, id="ddp-clip_bites", marks=_SLOW)])
 def test_lightning_configure_optimizers_bitwise_and_overlapped(world, trainer_kw):
-    """One device and ``strategy="ddp"``: bitwise, and no wave re-runs, also with gradient accumulation (Lightning
-    skips DDP's sync on the first micro-batches; their waves are superseded by the last backward's) and a clip that
-    does not bite; a clip that bites changes the gradients after backward, so those steps re-run their waves (exact;
-    ``OverlapMuon(max_grad_norm=...)`` clips inside the step instead)."""
-    for bad, reruns, waves in run_ranks(_lightning_body, world, trainer_kw, timeout=250):
+    """One device and ``strategy="ddp"``: bitwise, and no wave re-runs, also with gradient accumulation and a clip
+    that does not bite; a clip that bites changes the gradients after backward, so those steps re-run their waves
+    (exact; ``OverlapMuon(max_grad_norm=...)`` clips inside the step instead). Accumulating, NS runs once per matrix
+    per step from the second step on: on one device the waves launch from the backward learned to be the last
+    ([Note: learned accumulation] in ``scheduler/dispatch.py``; the first step's first backward launches them
+    too); under DDP, Lightning skips DDP's sync on the first micro-batches, and with it the readiness signals."""
+    out = run_ranks(_lightning_body, world, trainer_kw, timeout=250)
+    for bad, reruns, waves, _, _ in out:
         assert bad == [], bad
         assert (reruns > 0) == (trainer_kw.get("gradient_clip_val") == 1e-4), (reruns, waves)
+    acc = trainer_kw.get("accumulate_grad_batches", 1)
+    if "gradient_clip_val" not in trainer_kw:
+        for _, _, _, ns, mats in out:  # each DDP replica runs every NS (a domain of one rank)
+            assert ns == mats * (STEPS + (acc - 1 if world == 1 else 0)), (ns, mats)
 
 
 def _resume_body(rank, world, folder):

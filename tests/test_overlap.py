@@ -16,7 +16,8 @@ from tests.models import ADAMW_KW, HP, Deep, PlainShardNet, TinyNet, block, buil
 
 
 def _reference_plain(steps, micro=1, skip_fn=None):
-    """torch.optim.Muon + AdamW on the full PlainShardNet matrices, grads summed over micro-batches in order."""
+    """torch.optim.Muon + AdamW on the full PlainShardNet matrices, grads summed over micro-batches in order
+    (``micro``: per step, or a list of per-step counts)."""
     net = PlainShardNet(1, 1, 0, 0)
     fulls = {n: nn.Parameter(net.full[n].clone()) for n in net.SHAPES}
     scale = nn.Parameter(torch.ones(5))
@@ -27,7 +28,7 @@ def _reference_plain(steps, micro=1, skip_fn=None):
             p.grad = None
         scale.grad = None
         skip = skip_fn(s) if skip_fn else ()
-        for m in range(micro):
+        for m in range(micro[s] if isinstance(micro, list) else micro):
             _, fg = net.local_grads(s, m)
             for n, p in fulls.items():
                 if n in skip:
@@ -182,6 +183,41 @@ def _accumulate(rank, world, R, T):
 def test_gradient_accumulation_no_sync(R, T):
     """4 micro-batches under no_sync + 1 outside == one step on the summed gradient, bitwise; NS once per matrix."""
     bad = [b for r in run_ranks(_accumulate, R * T, R, T, timeout=100) for b in r]
+    assert not bad, "\n".join(bad)
+
+
+def _learned(rank, world, R, T):
+    """Accumulation without no_sync: 2 and 4 passes per step, and 4 with a shorter step (an epoch's tail)."""
+    g, t = divmod(rank, T)
+    bad = []
+    for micro in ([2, 2, 2], [4, 4, 4], [4, 4, 2, 4]):
+        fulls, mu = _reference_plain(len(micro), micro=micro)
+        net = PlainShardNet(R, T, g, t)
+        opt = plain_opt(net, R, T, g, t, overlap=True)
+        for s, n in enumerate(micro):
+            before = opt.stats["ns_matrices"]
+            for m in range(n):
+                cs, _ = net.local_grads(s, m)
+                net(cs).backward()
+            opt.step()
+            done = torch.tensor([opt.stats["ns_matrices"] - before])
+            if world > 1:
+                dist.all_reduce(done)
+            if s > 0 and done.item() != len(net.SHAPES):
+                bad.append(f"{micro} step {s}: {done.item()} matrices NS'd, expected {len(net.SHAPES)}")
+            opt.zero_grad()
+        bad += _check_plain(net, opt, fulls, mu, R, T, g, t, f"{micro} rank {rank}")
+        if opt.stats["reruns"]:
+            bad.append(f"{micro}: {opt.stats['reruns']} waves re-run")
+        opt.close()
+    return bad
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("R,T", [(1, 1), (1, 2)])
+def test_learned_accumulation(R, T):
+    """[Note: learned accumulation]: no no_sync, NS once per matrix per step from the second step on, bitwise."""
+    bad = [b for r in run_ranks(_learned, R * T, R, T, timeout=130) for b in r]
     assert not bad, "\n".join(bad)
 
 

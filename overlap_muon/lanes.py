@@ -206,6 +206,11 @@ class Lanes:
         h.future = self._executors[lane].submit(run)
         return h
 
+    def capturing(self) -> bool:
+        """The current CUDA stream is capturing a CUDA graph: nothing may be queued on the lanes now (and a graph's
+        replay runs no Python hook). Off CUDA always False; no host sync."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def current_stream_event(self) -> Any:
         """CUDA: an event recorded now on the current stream (the step barrier hands it to FSDP2's
         ``set_post_optim_event``: recorded by ``step()`` after the current stream's waits on the applies, waited on

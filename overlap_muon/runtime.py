@@ -91,6 +91,7 @@ class Runtime:
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
         self.phase = StepPhase.IDLE
         self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
+        self._warned_capture = False
         self.handles: list[Any] = []
         self.tracker: GradReadyTracker | None = None
         self.waits: ForwardWaits | None = None
@@ -187,6 +188,9 @@ class Runtime:
     def on_ready(self, first: int) -> None:
         if self.phase is StepPhase.ACCUMULATING or self.config.learn_accumulation and self.backwards.holds():
             return
+        if self.pipeline.lanes.capturing():
+            self._captured()
+            return
         for i in self.index.siblings[first]:
             if self.dispatcher.launched > self.index.wave_of[i]:
                 # A new backward before step(): its gradients supersede the waves already launched.
@@ -197,12 +201,25 @@ class Runtime:
             self.dispatcher.mark_ready(i)
 
     def on_backward_end(self) -> None:
+        if self.pipeline.lanes.capturing():  # a replay runs no hook: count nothing, launch nothing
+            return
         held = self.config.learn_accumulation and self.backwards.holds()
         self.backwards.backward_ended()
         if held:
             self.pipeline.stats["held_backwards"] += 1
         elif self.phase is not StepPhase.ACCUMULATING:
             self.dispatcher.flush()
+
+    def _captured(self) -> None:
+        """[Note: CUDA graph capture] A backward captured in a CUDA graph (torchtitan's default: its
+        ``training.disable_cuda_graphs=False``) runs the hooks during capture only, and nothing may be queued on
+        the lanes then; on replay no hook runs. So such a backward launches nothing and ``step()`` launches every
+        wave (exact, no overlap)."""
+        if not self._warned_capture:
+            self._warned_capture = True
+            warn_user("OverlapMuon: backward runs inside a CUDA graph capture, whose replays run no hook, so the "
+                      "waves launch in step() and nothing overlaps (exact); capture the forward only, or set "
+                      "torchtitan's training.disable_cuda_graphs=True, to keep the overlap")
 
     def _launch(self, wave: Any) -> None:
         self.pipeline.launch(wave, Hyper.of(self._group()), committed=self.phase is StepPhase.SYNC_STEP)

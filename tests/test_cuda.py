@@ -55,6 +55,40 @@ def test_inline_lanes_bitwise_equal_torch_muon():
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
 
 
+def test_backward_captured_in_a_cuda_graph_launches_in_step():
+    """[Note: CUDA graph capture] in overlap_muon/runtime.py: forward + backward captured in a CUDA graph (as
+    torchtitan does by default) and replayed; the hooks launch nothing during capture and nothing runs them on
+    replay, so step() launches every wave: bitwise torch.optim.Muon, one warning."""
+    torch.manual_seed(0)
+    model, ref = _Deep(d=256).cuda(), _Deep(d=256).cuda()
+    ref.load_state_dict(model.state_dict())
+    opt = OverlapMuon(model, **HP)
+    mu = torch.optim.Muon(ref.parameters(), **HP)
+    x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up before capture, as torch.cuda.graph asks
+        for _ in range(2):
+            model(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match="disable_cuda_graphs=True"):
+        with torch.cuda.graph(graph):
+            model(x).sum().backward()
+    launched = opt.stats["waves_launched"]
+    for _ in range(3):
+        graph.replay()
+        opt.step()
+        ref(x).sum().backward()
+        mu.step()
+        mu.zero_grad()
+    opt.synchronize()
+    assert opt.stats["waves_launched"] == launched + 3 * len(opt.waves)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    opt.close()
+
+
 def test_batched_ns_on_gpu_matches_overlap_off():
     """Batched NS: on vs off equal (batched cuBLAS may differ from per-matrix calls; compared among themselves)."""
     a, _ = _train(overlap=True, batch_ns=True)

@@ -221,6 +221,39 @@ def test_learned_accumulation(R, T):
     assert not bad, "\n".join(bad)
 
 
+def _captured(rank, world):
+    """Every hook fires while the (patched) capture probe says the stream is capturing: nothing launches in
+    backward, step() launches it all, bitwise; one warning naming the fix."""
+    import warnings
+
+    fulls, mu = _reference_plain(3)
+    net = PlainShardNet(1, 1, 0, 0)
+    opt = plain_opt(net, 1, 1, 0, 0, overlap=True)
+    opt._rt.pipeline.lanes.capturing = lambda: True  # [Note: CUDA graph capture] in overlap_muon/runtime.py
+    bad = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(3):
+            cs, _ = net.local_grads(s)
+            net(cs).backward()
+            if opt.stats["waves_launched"] != s * len(opt.waves):
+                bad.append(f"step {s}: a wave launched during a captured backward")
+            opt.step()
+            opt.zero_grad()
+    said = [str(w.message) for w in caught if "CUDA graph" in str(w.message)]
+    if len(said) != 1 or "disable_cuda_graphs=True" not in said[0]:
+        bad.append(f"warnings: {said}")
+    bad += _check_plain(net, opt, fulls, mu, 1, 1, 0, 0, "captured")
+    opt.close()
+    return bad
+
+
+@pytest.mark.timeout(100)
+def test_captured_backward_launches_in_step():
+    bad = run_ranks(_captured, 1, timeout=80)[0]
+    assert not bad, "\n".join(bad)
+
+
 def _unused(rank, world, R, T):
     g, t = divmod(rank, T)
 

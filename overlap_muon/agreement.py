@@ -50,19 +50,21 @@ class Agreement:
         self.adamw_params = adamw_params
         self._adamw_elsewhere: set[int] = set()
 
-    def stale(self, st: WaveState, hyper: Hyper, state: Any) -> bool:
-        """Would the wave compute something else if launched now? Its params with a gradient, then what its pack
-        read ([Note: a wave's reads] in ``wave_state.py``). Host-side only."""
+    def stale(self, st: WaveState, hyper: Hyper, state: Any) -> str | None:
+        """Would the wave compute something else if launched now, and why (a cause of ``messages.RERUN_CAUSES``)?
+        Its params with a gradient, then what its pack read ([Note: a wave's reads] in ``wave_state.py``).
+        Host-side only."""
         items = [i for i in st.wave.params if self.muon[i].param.grad is not None]
         if items != st.items:
-            return True
-        return bool(items) and not st.reads.unchanged(state, hyper, [self.muon[i] for i in items])
+            return "grads_changed"
+        return st.reads.change(state, hyper, [self.muon[i] for i in items]) if items else None
 
     def stale_flags(self, waves: list[Any], pending: dict[int, WaveState], hyper: Hyper, state: Any, *,
-                    validate: bool, agreed: bool, in_flight: InFlight) -> list[int]:
-        """Per wave of the plan, 1 when ``commit`` must launch it again: it is not pending (discarded after backward
-        launched it: ``load_state_dict``), or (``validate``) it is stale; agreed over the ranks (any rank's flag)
-        unless the step has ``agreed`` already (a synchronous step: nothing can be stale).
+                    validate: bool, agreed: bool, in_flight: InFlight) -> list[str | None]:
+        """Per wave of the plan, why ``commit`` must launch it again (``None``: it need not): it is not pending
+        (``"discarded"`` after backward launched it: ``load_state_dict``), or (``validate``) it is stale; agreed
+        over the ranks (``"other_rank"``: stale on another rank only) unless the step has ``agreed`` already (a
+        synchronous step: nothing can be stale).
 
         Raises:
             ValueError: as :meth:`presence`.
@@ -71,11 +73,12 @@ class Agreement:
             for st in pending.values():
                 if st.h_pack is not None and st.reads.buf_versions is None:
                     st.h_pack.settle()  # the pack records what it reads ([Note: a wave's reads])
-        stale = [1 if w.index not in pending or validate and self.stale(pending[w.index], hyper, state) else 0
-                 for w in waves]
+        why = ["discarded" if w.index not in pending else self.stale(pending[w.index], hyper, state) if validate
+               else None for w in waves]
         if self.ctrl_group is not None and not agreed:
-            stale = self.presence(stale, in_flight)
-        return stale
+            flags = self.presence([0 if c is None else 1 for c in why], in_flight)
+            why = [c or ("other_rank" if f else None) for c, f in zip(why, flags)]
+        return why
 
     def adamw_elsewhere(self) -> set[int]:
         """``id``s of the AdamW params that had a gradient on another rank and not on this one at the last step's

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-__all__ = ["warn_user"]
+__all__ = ["warn_user", "RERUN_CAUSES", "rerun_warnings"]
 
 
 def _internal_dirs() -> tuple[str, ...]:
@@ -47,3 +47,51 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     while frame.f_back is not None and _internal(frame.f_code.co_filename, skip):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+_ON_EDIT = ("make the edit inside backward (a post-accumulate-grad hook) or inside step() (clipping: "
+            "OverlapMuon(max_grad_norm=...); DDP's averaging: OverlapMuon(ddp_model) or attach_ddp)")
+
+#: Why a wave re-ran (the key ``stats["reruns.<key>"]`` counts): what happened, and the one fix that applies.
+RERUN_CAUSES: dict[str, tuple[str, str]] = {
+    "grad_edited": ("a gradient was edited in place after backward (an op the optimizer cannot name: e.g. "
+                    "grad.mul_, GradScaler.unscale_ on plain tensors, DDP's averaging without attach_ddp)", _ON_EDIT),
+    "grad_edited:clip_grad_norm_": ("clip_grad_norm_ scaled the gradients after backward (the clip bit)",
+                                    "clip inside step() with OverlapMuon(max_grad_norm=...) instead"),
+    "grad_edited:_amp_foreach_non_finite_check_and_unscale_": (
+        "GradScaler.unscale_ rescaled the gradients after backward",
+        "bf16 autocast needs no GradScaler; with one, the re-run is the price of unscaling after backward"),
+    "grad_edited:collective": ("a collective ({op}) wrote a gradient after backward",
+                               "issue it inside backward (a post-accumulate-grad hook) or, for DDP's averaging, build "
+                               "OverlapMuon on the DDP model (or call attach_ddp)"),
+    "grad_replaced": ("a gradient was replaced by another tensor after backward (param.grad = ...)", _ON_EDIT),
+    "grads_changed": ("a gradient appeared or was set to None after backward (zero_grad(), or a later backward that "
+                      "reached other params)", "zero the gradients before backward, not between backward and step()"),
+    "hyper": ("a momentum or NS setting (momentum, nesterov, ns_coefficients, ns_steps, eps) changed after backward",
+              "change it before backward (lr and weight_decay are read in step() and re-run nothing)"),
+    "state": ("the optimizer state was replaced or edited after backward", "load or edit it before backward"),
+    "discarded": ("the waves backward launched were dropped before step() (load_state_dict(), a re-bound param)",
+                  "do that before backward"),
+    "extra_backward": ("a backward ran after the one the optimizer expected to be the step's last (the accumulation "
+                       "count changed)", "keep one accumulation count, or wrap the earlier micro-batches in "
+                       "opt.no_sync()"),
+    "other_rank": ("another rank's inputs changed (its warning says how)", "see that rank's warning"),
+    "failed": ("a lane task of the wave failed", "see the error it raised"),
+}
+
+
+def rerun_warnings(stats: dict[str, int], warned: set[str], waves: int) -> None:
+    """Warn once per re-run cause seen in ``stats`` (``reruns.<cause>``) and not in ``warned`` (updated): what
+    happened, how many waves of ``waves`` it cost, and the fix. An extra backward in the first step is the
+    accumulation being learned, not a cause."""
+    for key, count in list(stats.items()):
+        cause = key[len("reruns."):] if key.startswith("reruns.") else None
+        if not count or cause is None or cause in warned or (cause == "extra_backward" and not stats["steps"]):
+            continue
+        warned.add(cause)
+        op = cause.split(":", 1)[1] if ":" in cause else ""
+        if op.startswith("collective:"):
+            cause, op = "grad_edited:collective", op.split(":", 1)[1]
+        what, fix = RERUN_CAUSES.get(cause, RERUN_CAUSES["grad_edited"])
+        warn_user(f"OverlapMuon: {count} of {waves} waves re-ran in step() because {what.format(op=op)}; exact, but "
+                  f"those waves lost their overlap: {fix}.")

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from . import builder
 from .config import resolve_config
-from .messages import warn_user
+from .messages import rerun_warnings, warn_user
 from .ns import DEFAULT_NS_COEFFICIENTS
 from .qk_clip import QKClip
 from .binding import ParamBinding
@@ -141,7 +141,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self.stats: dict[str, int] = defaultdict(int)
         self._binding.bind(placed)
         self._link_adamw()  # State is created at a param's first gradient, as torch does ([Note: lazy state]).
-        self._warned_reruns, self._built = False, True
+        self._warned_reruns, self._built = set(), True
         if ddp is not None:
             self.attach_ddp(ddp)
         if self._rank == 0:
@@ -245,7 +245,8 @@ class OverlapMuon(torch.optim.Optimizer):
             clip_params = list(self._binding.model.parameters()) if self.max_grad_norm is not None else []
             ok, norm, reruns = self._rt.commit_step(self.max_grad_norm, clip_params)
             self.last_grad_norm = norm if norm is not None else getattr(self, "last_grad_norm", None)
-            self._warn_reruns(reruns)
+            if reruns or self.stats["reruns.extra_backward"]:
+                rerun_warnings(self.stats, self._warned_reruns, len(self._rt.waves))
             if self._adamw is not None and ok:
                 self._adamw.step()
                 init_adamw_state(self.param_groups[1:], self._state, self._rt.adamw_elsewhere())
@@ -258,16 +259,6 @@ class OverlapMuon(torch.optim.Optimizer):
         finally:
             self._rt.end_step()
         return loss
-
-    def _warn_reruns(self, reruns: int) -> None:
-        if reruns and not self._warned_reruns:
-            self._warned_reruns = True
-            warn_user(
-                f"OverlapMuon: {reruns} of {len(self._rt.waves)} waves were re-run in step() because their inputs "
-                "changed after backward launched them (gradients edited in place, e.g. clipping, unscaling or a "
-                "collective, DDP averaging without attach_ddp, a changed momentum/NS setting, or optimizer state "
-                "edited or loaded between backward and step). The result is exact; the overlap of those waves is "
-                "lost.")
 
     def synchronize(self) -> None:
         """Block until every committed wave has been applied (host waits; on CUDA the device too).

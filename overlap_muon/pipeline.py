@@ -246,10 +246,11 @@ class WavePipeline:
             raise
         create_momentum(self.state, self.muon)
         reruns = 0
-        for w, f in zip(waves, stale):
-            if f:
+        for w, why in zip(waves, stale):
+            if why is not None:
                 pending[w.index] = self.launch(w, hyper)
                 reruns += 1
+                self.stats[f"reruns.{why}"] += 1  # messages.RERUN_CAUSES
         self.stats["reruns"] += reruns
         self._queue_applies(pending, group)
         return reruns

@@ -194,6 +194,7 @@ class Runtime:
         for i in self.index.siblings[first]:
             if self.dispatcher.launched > self.index.wave_of[i]:
                 # A new backward before step(): its gradients supersede the waves already launched.
+                self.pipeline.stats["reruns.extra_backward"] += self.dispatcher.launched
                 self.pipeline.discard()
                 self.dispatcher.reset()
             if self.recorder is not None:
@@ -289,7 +290,7 @@ class Runtime:
         if self.recorder is not None and self.recorder.recorded:
             self._adopt_observed_order()
         self.dispatcher.reset()
-        version_fix.forget_completed()  # the user's collectives of this step hold its gradients
+        version_fix.end_step()  # the user's collectives of this step hold its gradients
         if self.waits is None:
             self.barrier()
             return

@@ -64,7 +64,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions",
-           "install", "installed", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed"]
+           "install", "installed", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed", "writer_of",
+           "end_step"]
 
 logger = logging.getLogger("overlap_muon")
 
@@ -82,6 +83,7 @@ C10D_INPLACE: dict[str, tuple[int, str]] = {
 
 _lock = threading.RLock()
 _in_flight: list[tuple[frozenset[int], Any]] = []  # (storages written, work) of asynchronous collectives
+_writers: dict[int, str] = {}  # storage -> the wrapped op that wrote it in place last, this step (writer_of)
 _users = 0  # live OverlapMuon(overlap=True) instances that acquired the fixes
 _originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (module, name, original) of every wrapped function
 _done: set[str] = set()  # "dtensor_foreach", "amp_unscale", "c10d", "unit_clip": the fixes in place in this process
@@ -117,6 +119,7 @@ def _bumping(name: str, fn: Callable[..., Any], which: Callable[[Any], bool]) ->
         mutated = [t for t in self if which(t)] if isinstance(self, (list, tuple)) else []
         if mutated:
             torch.autograd.graph.increment_version(mutated)
+            _note_writer(name, mutated)
         return out
 
     wrapper.__module__, wrapper.__qualname__, wrapper.__name__ = "torch", name, name  # pickled as torch.<name>
@@ -147,6 +150,7 @@ def _bumping_collective(name: str, fn: Callable[..., Any], pos: int, key: str) -
                 _register_in_flight(out, written)
             if written:
                 torch.autograd.graph.increment_version(written)
+                _note_writer(f"collective:{name}", written)
         return out
 
     wrapper.__module__, wrapper.__qualname__, wrapper.__name__ = "torch.distributed", name, name
@@ -165,6 +169,23 @@ def _register_in_flight(work: Any, written: list[torch.Tensor]) -> None:
     with _lock:
         forget_completed()
         _in_flight.append((frozenset(_storage(t) for t in written), work))
+
+
+def _note_writer(name: str, written: list[torch.Tensor]) -> None:
+    for t in written:
+        _writers[_storage(t)] = name
+
+
+def writer_of(t: torch.Tensor) -> str | None:
+    """The wrapped op (a c10d collective, ``clip_grad_norm_``, a foreach op or GradScaler's unscale on a DTensor)
+    that last wrote ``t``'s storage in place since the last :func:`end_step`, if any: the re-run warning names it."""
+    return _writers.get(_storage(t)) if _writers else None
+
+
+def end_step() -> None:
+    """A step ended: forget the completed collectives and who wrote what (``writer_of``)."""
+    forget_completed()
+    _writers.clear()
 
 
 def forget_completed() -> None:
@@ -200,6 +221,8 @@ def _skipping_unit_clip(fn: Callable[..., Any]) -> Callable[..., Any]:
                 coef = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
                 if bool(coef == 1.0):
                     return None
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            _note_writer("clip_grad_norm_", [p.grad for p in parameters if p.grad is not None])
         return fn(parameters, max_norm, total_norm, foreach)
 
     wrapper.__overlap_muon_version_fix__ = fn  # type: ignore[attr-defined]
@@ -250,6 +273,7 @@ def uninstall() -> None:
         _originals.clear()
         _done.clear()
         _in_flight.clear()
+        _writers.clear()
 
 
 def install(mesh: Any = None) -> set[str]:

@@ -3,7 +3,7 @@
 [Note: a wave's reads] A wave launched during backward computes its NS input from inputs the user may still change
 before ``step()``, and torch.optim's contract says ``step()`` uses the gradients, state and hyper-parameters current
 at that call. So a wave records what identifies the value of each input it reads, before it reads it, and the
-commit (:meth:`Reads.unchanged`, the only check there is) re-runs the wave when any of them differs now. What is
+commit (:meth:`Reads.change`, the only check there is) re-runs the wave when any of them differs now. What is
 recorded, and why it suffices:
 
 * **the hyper-parameters the NS input and NS depend on** (:class:`Hyper`: ``momentum``, ``nesterov``,
@@ -50,7 +50,7 @@ from .exchanges import Leg
 from .lanes import LaneHandle
 from .placement import MuonParam, local_tensor
 from .scheduler.waves import Wave
-from .version_fix import wait_in_flight
+from .version_fix import wait_in_flight, writer_of
 
 __all__ = ["Hyper", "Reads", "versions", "WaveState", "EarlyRelease", "LateRelease"]
 
@@ -127,20 +127,29 @@ class Reads:
                for m, b, g in zip(mps, bufs, local)]
         return local, out
 
-    def unchanged(self, state: Any, hyper: Hyper, mps: Sequence[MuonParam]) -> bool:
-        """Would the wave read the same values now? ``mps``: the wave's params with a gradient now (the caller
-        has checked that they are the ones it launched with). Host-side only."""
-        if self.buf_versions is None or hyper != self.hyper or state is not self.state:
-            return False  # (a pack that failed recorded nothing)
+    def change(self, state: Any, hyper: Hyper, mps: Sequence[MuonParam]) -> str | None:
+        """What the wave would read differently now (``None``: nothing): a key of ``messages.RERUN_CAUSES``, or
+        ``grad_edited:<op>`` naming the op that last wrote a gradient in place where it is known
+        (``version_fix.writer_of``). ``mps``: the wave's params with a gradient now (the caller has checked that
+        they are the ones it launched with). Host-side only."""
+        if self.buf_versions is None:
+            return "failed"  # a pack that failed recorded nothing
+        if hyper != self.hyper:
+            return "hyper"
+        if state is not self.state:
+            return "state"
         for m, (g, v) in zip(mps, self.grads):
-            if m.param.grad is not g or versions(g) != v:
-                return False
+            if m.param.grad is not g:
+                return "grad_replaced"
+            if versions(g) != v:
+                op = writer_of(g)
+                return f"grad_edited:{op}" if op else "grad_edited"
         for m, entry, buf, v in zip(mps, self.entries, self.bufs, self.buf_versions):
             now = state.get(m.param)
             cur = now.get("momentum_buffer") if now else None
             if now is not entry or cur is not buf or (buf is not None and versions(buf) != v):
-                return False
-        return True
+                return "state"
+        return None
 
 
 @dataclass(eq=False)

@@ -81,6 +81,26 @@ def test_grad_scaler_unscale_is_exact():
     opt.close()
 
 
+@pytest.mark.parametrize("edit, cause, fix", [
+    (lambda m, o, s: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05), "grad_edited:clip_grad_norm_",
+     "OverlapMuon(max_grad_norm=...)"),
+    (lambda m, o, s: [p.grad.mul_(0.5) for p in m.parameters()], "grad_edited", "post-accumulate-grad hook"),
+    (lambda m, o, s: [setattr(p, "grad", p.grad * 0.5) for p in m.parameters()], "grad_replaced", "inside step()"),
+    (lambda m, o, s: o[0].param_groups[0].update(momentum=0.9 - 0.01 * s), "hyper", "before backward")],
+    ids=["clip", "mul_", "replaced", "momentum"])
+def test_reruns_name_their_cause_and_fix(edit, cause, fix):
+    """Each re-run kind is counted under its cause (``stats["reruns.<cause>"]``) and warned once with its fix."""
+    model, opt, ref, mu, aw = _pair()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _loop(model, opt, ref, [mu, aw], between=edit)
+    said = [str(w.message) for w in caught if "re-ran" in str(w.message)]
+    assert not _equal(model, ref)
+    assert opt.stats[f"reruns.{cause}"] == opt.stats["reruns"] > 0, dict(opt.stats)
+    assert len(said) == 1 and fix in said[0], said
+    opt.close()
+
+
 def test_lr_and_momentum_set_after_backward_are_used():
     """Bug: lr changed 0.02 -> 0.01 after backward, the update had the norm of lr 0.02 (modded-nanogpt's schedule
     and momentum warm-up set both between backward and step)."""

@@ -78,6 +78,10 @@ class OverlapMuonConfig:
     """Overlap mode: count the backward passes between steps and launch the waves only from the one expected to be
     the last before ``step()`` ([Note: learned accumulation] in ``scheduler/dispatch.py``): NS once per matrix
     per step under gradient accumulation without ``no_sync()``. ``False``: every backward launches them."""
+    auto_overlap: bool = _opt(False, "OVERLAP_MUON_AUTO_OVERLAP", kind=bool)
+    """Overlap mode (without ``async_step`` or ``wave_slots``): time a few iterations with the overlap on and off
+    early in training, agree across ranks, and keep the faster ([Note: overlap where it pays] in
+    ``overlap_choice.py``); the same bits either way."""
     skip_nonfinite: bool = _opt(False, "OVERLAP_MUON_SKIP_NONFINITE", kind=bool)
     """Skip the whole step on every rank when any Muon gradient on any rank is non-finite."""
     syrk: bool = _opt(False, "OVERLAP_MUON_SYRK", kind=bool)

@@ -211,11 +211,11 @@ class Lanes:
         replay runs no Python hook). Off CUDA always False; no host sync."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def current_stream_event(self) -> Any:
+    def current_stream_event(self, timing: bool = False) -> Any:
         """CUDA: an event recorded now on the current stream (the step barrier hands it to FSDP2's
         ``set_post_optim_event``: recorded by ``step()`` after the current stream's waits on the applies, waited on
-        by FSDP2's all-gather streams at the next forward)."""
-        event = torch.cuda.Event()
+        by FSDP2's all-gather streams at the next forward; ``timing``: one that ``elapsed_time`` can read)."""
+        event = torch.cuda.Event(enable_timing=timing)
         event.record()
         return event
 

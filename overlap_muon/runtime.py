@@ -7,7 +7,10 @@ weakly (its hooks must not keep a dropped optimizer alive).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import builder, version_fix
-from .agreement import Agreement
+from .agreement import Agreement, max_everywhere
 from .checks import check_plan_everywhere
 from .clip import clip_grads_by_total_norm_
 from .comm import CommContext
@@ -25,11 +28,14 @@ from .placement import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
 from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
 from .messages import warn_user
+from .overlap_choice import TRIAL, OverlapChoice
 from .pipeline import WavePipeline
 from .scheduler import BackwardCount, ReadinessRecorder, WaveDispatcher
 from .wave_state import Hyper
 
 __all__ = ["Runtime", "StepPhase"]
+
+logger = logging.getLogger("overlap_muon")
 
 try:
     from torch.distributed.tensor import DTensor
@@ -92,6 +98,11 @@ class Runtime:
         self.phase = StepPhase.IDLE
         self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
         self._warned_capture = False
+        # [Note: overlap where it pays] in overlap_choice.py
+        auto = config.auto_overlap and config.overlap and not self.async_step and config.wave_slots is None
+        lanes = self.pipeline.lanes
+        event = functools.partial(lanes.current_stream_event, timing=True) if lanes.cuda else None
+        self.choice = OverlapChoice(event) if auto else None
         self.handles: list[Any] = []
         self.tracker: GradReadyTracker | None = None
         self.waits: ForwardWaits | None = None
@@ -134,6 +145,7 @@ class Runtime:
     def plan_waves(self, order: list[int]) -> None:
         """Plan the waves for a gradient-ready ``order`` (``builder.plan``); hand their frozen plans to the
         pipeline."""
+        self.order = order
         self.waves, self.wave_plans = builder.plan(order, self.muon, self.costs, self.config, self.sizes,
                                                    self.dp_size, self.pipeline.lanes.cuda)
         self.pipeline.set_plans(self.wave_plans)
@@ -186,7 +198,8 @@ class Runtime:
 
     # hooks -> dispatcher -> pipeline
     def on_ready(self, first: int) -> None:
-        if self.phase is StepPhase.ACCUMULATING or self.config.learn_accumulation and self.backwards.holds():
+        if (self.phase is StepPhase.ACCUMULATING or not self.config.overlap
+                or self.config.learn_accumulation and self.backwards.holds()):
             return
         if self.pipeline.lanes.capturing():
             self._captured()
@@ -208,7 +221,7 @@ class Runtime:
         self.backwards.backward_ended()
         if held:
             self.pipeline.stats["held_backwards"] += 1
-        elif self.phase is not StepPhase.ACCUMULATING:
+        elif self.phase is not StepPhase.ACCUMULATING and self.config.overlap:
             self.dispatcher.flush()
 
     def _captured(self) -> None:
@@ -293,9 +306,46 @@ class Runtime:
         version_fix.end_step()  # the user's collectives of this step hold its gradients
         if self.waits is None:
             self.barrier()
+            if self.choice is not None:
+                self._choose()
             return
         self.waits.after_step([w.index for w in self.waves])
         self.pipeline.wait_gradients_read()  # the applies read no gradient: the user may zero them now
+
+    def _choose(self) -> None:
+        """[Note: overlap where it pays]: the next trial iteration's mode, or, once every rank's times are readable,
+        the agreed choice (one host collective per step until then; none after)."""
+        assert self.choice is not None
+        trial = self.choice.mode_for_next()
+        if trial is not None:
+            self._set_overlap(trial)
+        if len(self.choice.marks) <= 2 * TRIAL or self.choice.result is not None:
+            return
+        mine = self.choice.medians()
+        times = torch.tensor([1.0, 0.0, 0.0] if mine is None else [0.0, *mine], dtype=torch.float64)
+        if self.agreement.ctrl_group is not None:
+            max_everywhere(times, self.agreement.ctrl_group)
+        if times[0] > 0:
+            return  # some rank's times are not readable yet (CUDA events still pending)
+        on, off = times[1].item(), times[2].item()
+        self.choice.result = (on, off)
+        self._set_overlap(on <= off)
+        stats = self.pipeline.stats
+        stats["overlap_auto_on_us"], stats["overlap_auto_off_us"] = round(on * 1e6), round(off * 1e6)
+        stats["overlap_auto_chose_on"] = int(on <= off)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("OverlapMuon auto_overlap: the overlap stays %s (iteration %.1f ms with it on, %.1f ms off; "
+                        "medians of %d, slowest rank)", "on" if on <= off else "off", on * 1e3, off * 1e3, TRIAL)
+
+    def _set_overlap(self, on: bool) -> None:
+        """Switch between launching the waves in backward (``on``) and the synchronous step (its plan, inline
+        lanes); every committed update lands first."""
+        if on == self.config.overlap:
+            return
+        self.pipeline.synchronize()
+        self.config = dataclasses.replace(self.config, overlap=on)
+        self.pipeline.lanes.inline = not on
+        self.plan_waves(self.order)
 
     def barrier(self) -> None:
         """[Note: the step barrier] The default: ``step()`` orders its updates before anything after it, so every

@@ -89,6 +89,26 @@ def test_backward_captured_in_a_cuda_graph_launches_in_step():
     opt.close()
 
 
+def test_auto_overlap_decides_on_cuda_events_and_stays_exact():
+    """[Note: overlap where it pays]: the trial times with CUDA events (no host sync), decides, and every step
+    stays torch.optim.Muon."""
+    torch.manual_seed(0)
+    model, ref = _Deep(d=256).cuda(), _Deep(d=256).cuda()
+    ref.load_state_dict(model.state_dict())
+    opt = OverlapMuon(model, auto_overlap=True, **HP)
+    mu = torch.optim.Muon(ref.parameters(), **HP)
+    x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    for _ in range(16):
+        for m, o in ((model, opt), (ref, mu)):
+            m(x).sum().backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    assert "overlap_auto_chose_on" in opt.stats and opt.stats["overlap_auto_on_us"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    opt.close()
+
+
 def test_batched_ns_on_gpu_matches_overlap_off():
     """Batched NS: on vs off equal (batched cuBLAS may differ from per-matrix calls; compared among themselves)."""
     a, _ = _train(overlap=True, batch_ns=True)

@@ -254,6 +254,47 @@ def test_captured_backward_launches_in_step():
     assert not bad, "\n".join(bad)
 
 
+def _auto(rank, world, R, T, prefer):
+    """auto_overlap with this rank's trial medians patched (``prefer[rank]``: (on, off) seconds): bitwise torch at
+    the end, the agreed choice (the largest of each over the ranks) kept, waves launched in backward iff it is on."""
+    from overlap_muon.overlap_choice import OverlapChoice, TRIAL
+
+    g, t = divmod(rank, T)
+    steps = 2 * TRIAL + 4
+    fulls, mu = _reference_plain(steps)
+    net = PlainShardNet(R, T, g, t)
+    opt = plain_opt(net, R, T, g, t, overlap=True, auto_overlap=True)
+    real = OverlapChoice.medians
+    OverlapChoice.medians = lambda self: None if real(self) is None else prefer[rank]
+    modes = []
+    try:
+        for s in range(steps):
+            cs, _ = net.local_grads(s)
+            before = opt.stats["waves_launched"]
+            net(cs).backward()
+            modes.append(opt.stats["waves_launched"] > before)  # launched in backward: the overlap is on
+            opt.step()
+            opt.zero_grad()
+    finally:
+        OverlapChoice.medians = real
+    bad = _check_plain(net, opt, fulls, mu, R, T, g, t, f"auto rank {rank}")
+    on = max(p[0] for p in prefer) <= max(p[1] for p in prefer)
+    want = [True] * (TRIAL + 1) + [False] * TRIAL + [on] * 3
+    if modes != want or opt.stats["overlap_auto_chose_on"] != on:
+        bad.append(f"rank {rank}: modes {modes}, expected {want}; stats {dict(opt.stats)}")
+    opt.close()
+    return bad
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("R,T,prefer", [(1, 1, [(2.0, 1.0)]), (1, 2, [(1.0, 2.0), (3.0, 1.5)]),
+                                        (1, 2, [(1.0, 2.0), (1.5, 1.2)])], ids=["off", "off_agreed", "on_agreed"])
+def test_auto_overlap_keeps_the_faster_agreed(R, T, prefer):
+    """[Note: overlap where it pays]: TRIAL iterations on, TRIAL off, then the choice every rank agrees on."""
+    bad = [b for r in run_ranks(_auto, R * T, R, T, prefer, timeout=130) for b in r]
+    assert not bad, "\n".join(bad)
+
+
 def _unused(rank, world, R, T):
     g, t = divmod(rank, T)
 

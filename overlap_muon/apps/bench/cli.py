@@ -20,7 +20,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from . import balance, comm, memory, ns, overhead, overlap, peers, step, surplus
+from . import balance, choice, comm, memory, ns, overhead, overlap, peers, step, surplus
 from .common import _Options, _two_thread_speedup, machine_info, matmul_gflops, quiet_split_log, slow_bf16
 
 __all__ = ["main", "CASES", "CASE_MODULES", "expected_ratio_keys", "machine_info"]
@@ -32,6 +32,7 @@ CASE_MODULES: dict[str, ModuleType] = {
     "ns": ns,
     "comm": comm,
     "overlap": overlap,
+    "choice": choice,
     "balance": balance,
     "surplus": surplus,
     "memory": memory,

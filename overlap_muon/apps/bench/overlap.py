@@ -25,7 +25,6 @@ trace of the world-1 overlapped step and draws it with :func:`overlap_muon.apps.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import warnings
@@ -37,98 +36,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from overlap_muon.layout import block_shape
 from overlap_muon.ns import zeropower
 from overlap_muon.optimizer import OverlapMuon
 from overlap_muon.scheduler import ns_flops
 
 from .common import (_HP, _CaseResult, _max_over_ranks, _median, _ms, _muon_2d, _Options, _ratio, _run_ranks,
-                     _two_thread_speedup)
+                     _tp_stack, _TPBlock, _two_thread_speedup)
 
 #: The keys of the case's ``ratios`` in the JSON.
 RATIO_KEYS: tuple[str, ...] = tuple(
     f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_", "async_")) + tuple(
     f"async_over_default_iteration_world{w}" for w in (1, 2)) + (
     "exposed_fraction_max_grad_norm_world1", "exposed_fraction_user_clip_world1", "llama_exposed_fraction_world1")
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Megatron's ``f``: identity forward, all-reduce of the input gradient over the TP group backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Megatron's ``g``: all-reduce of the partial output forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
-class _ShardLinear(nn.Module):
-    """``y = x @ W_local.T`` of a plain TP shard (colwise: rows of ``W``; rowwise: columns, partial output)."""
-
-    def __init__(self, full: tuple[int, int], pd: int, T: int, t: int, gen: torch.Generator) -> None:
-        super().__init__()
-        w = torch.randn(full, generator=gen) / math.sqrt(full[1])
-        rows, cols = block_shape(full, pd, 1, T, 0, t)
-        block = w[t * rows:(t + 1) * rows] if pd == 0 else w[:, t * cols:(t + 1) * cols]
-        self.weight = nn.Parameter(block.clone())
-        self.weight.partition_dim = pd
-        self.weight.full_shape = full
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight)
-
-
-class _TPBlock(nn.Module):
-    """A residual block: an attention-like pair ``(d, d)`` colwise + ``(d, d)`` rowwise, then an MLP ``(4d, d)``
-    colwise + ``(d, 4d)`` rowwise, each behind an RMS norm; activations ``(N, d)`` are replicated over TP."""
-
-    def __init__(self, d: int, T: int, t: int, group: Any, gen: torch.Generator) -> None:
-        super().__init__()
-        self.d, self.group = d, group
-        self.a = _ShardLinear((d, d), 0, T, t, gen)
-        self.b = _ShardLinear((d, d), 1, T, t, gen)
-        self.up = _ShardLinear((4 * d, d), 0, T, t, gen)
-        self.down = _ShardLinear((d, 4 * d), 1, T, t, gen)
-
-    def _f(self, x: Tensor) -> Tensor:
-        return x if self.group is None else _CopyToTP.apply(x, self.group)
-
-    def _g(self, x: Tensor) -> Tensor:
-        return x if self.group is None else _ReduceFromTP.apply(x, self.group)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.a(self._f(F.rms_norm(x, (self.d,))))
-        x = x + self._g(self.b(F.gelu(h)))
-        h = self.up(self._f(F.rms_norm(x, (self.d,))))
-        return x + self._g(self.down(F.gelu(h)))
-
-    @staticmethod
-    def shapes(d: int) -> list[tuple[int, int]]:
-        return [(d, d), (d, d), (4 * d, d), (d, 4 * d)]
-
-
-def _tp_stack(d: int, blocks: int, T: int, t: int, group: Any) -> nn.Sequential:
-    gen = torch.Generator().manual_seed(11)  # the same full weights on every rank and in every variant
-    return nn.Sequential(*[_TPBlock(d, T, t, group, gen) for _ in range(blocks)])
 
 
 def _ns_sample(shapes: dict[tuple[int, int], int]) -> float:
@@ -210,7 +129,7 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
         t2 = time.perf_counter()
         with torch.profiler.record_function("## optimizer ##"), warnings.catch_warnings():
             if name in ("on_clip", "on_user_clip"):  # re-runs are what these variants measure: no warning
-                warnings.filterwarnings("ignore", message=r"OverlapMuon: \d+ of \d+ waves were re-run")
+                warnings.filterwarnings("ignore", message=r"OverlapMuon: \d+ of \d+ waves re-ran")
             if name == "on_user_clip":
                 torch.nn.utils.clip_grad_norm_(net.parameters(), _TINY_NORM)
             if opt is not None:

@@ -20,6 +20,19 @@ _RATES = pytest.StashKey[dict]()
 _HEAVY = pytest.StashKey[set]()
 _BF16_MOVED = pytest.StashKey[int]()
 _durations: dict[str, float] = {}
+_SPAWN = pytest.StashKey[tuple]()
+
+
+def pytest_configure(config):
+    """Time an interpreter start (the time model's third rate) beside the first tests, on a thread."""
+    import threading
+
+    from overlap_muon.apps.time_model import spawn_seconds
+
+    out: list[float] = []
+    thread = threading.Thread(target=lambda: out.append(spawn_seconds()), daemon=True)
+    thread.start()
+    config.stash[_SPAWN] = (thread, out)
 
 
 def pytest_addoption(parser):
@@ -27,9 +40,25 @@ def pytest_addoption(parser):
                      help="write this run's test durations and matmul rates as JSON (tests/time_model.py fits them)")
 
 
+# The frameworks the ranks of these test files import: the fork server imports them once, so a rank starts with
+# them instead of paying seconds each (overlap_muon/apps/spawn.py, [Note: why forkserver]).
+_RANK_IMPORTS = {
+    "test_hf_trainer.py": ("transformers", "transformers.trainer", "transformers.models.llama.modeling_llama"),
+    "test_experts.py": ("transformers", "transformers.models.qwen3_moe.modeling_qwen3_moe", "torchtitan.models"),
+    "test_lightning.py": ("lightning.pytorch",),
+    "test_peft.py": ("peft", "transformers.models.llama.modeling_llama"),
+    "test_torchtitan.py": ("torchtitan.models.llama3", "torchtitan.components.optimizer",
+                           "torchtitan.components.checkpointer.dcp"),
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before the ``-m`` selection reads the markers
 def pytest_collection_modifyitems(config, items):
+    from overlap_muon.apps import spawn
     from overlap_muon.apps.bench.common import matmul_gflops, slow_bf16
+
+    files = {os.path.basename(str(item.fspath)) for item in items}
+    spawn.preload(*[m for f in sorted(files) for m in _RANK_IMPORTS.get(f, ())])
 
     rates = config.stash[_RATES] = matmul_gflops()
     heavy = [item for item in items if item.get_closest_marker("bf16_heavy")]
@@ -57,6 +86,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"bf16 matmul runs at {rates['bf16']:.1f} GFLOP/s here against {rates['fp32']:.0f} for fp32 (no native "
             f"bf16): {moved} NS-heavy tests join the long tier (-m slow; -m \"\" runs every tier)")
     durations = _durations
+    thread, spawn = config.stash[_SPAWN]
+    thread.join(timeout=60)
+    rates = dict(rates, spawn=spawn[0] if spawn else time_model.SLOWEST["spawn"])
     log = config.getoption("--time-log")
     if log:
         import json
@@ -71,7 +103,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     slowest, _ = time_model.predict(model, default, rates, time_model.SLOWEST)
     s = time_model.SLOWEST
     terminalreporter.write_line(
-        f"time model (tests/time_model.py): these tests took {sum(durations.values()):.0f} s here (1-thread matmul: "
-        f"bf16 {rates['bf16']:.1f}, fp32 {rates['fp32']:.1f} GFLOP/s), the model says {here:.0f} s; on the slowest "
-        f"CPU we know (bf16 {s['bf16']}, fp32 {s['fp32']:.0f}) it says {slowest:.0f} s (budget "
-        f"{time_model.BUDGET_S:.0f} s){f'; {unknown} tests unknown to it' if unknown else ''}")
+        f"time model (tests/time_model.py): these tests took {sum(durations.values()):.0f} s here (matmul bf16 "
+        f"{rates['bf16']:.1f}, fp32 {rates['fp32']:.1f} GFLOP/s, interpreter start {rates['spawn']:.2f} s), the "
+        f"model says {here:.0f} s; on the slowest CPU we know (bf16 {s['bf16']}, fp32 {s['fp32']:.0f}, start "
+        f"{s['spawn']:.1f} s) it says {slowest:.0f} s (default tier's budget {time_model.BUDGET_S:.0f} s)"
+        f"{f'; {unknown} tests unknown to it' if unknown else ''}")

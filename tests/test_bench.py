@@ -225,3 +225,16 @@ def test_small_option_halves_the_ns_heavy_sides():
     small = common._Options(quick=True, repeats=1, baseline=True, trace_dir=".", timeout_s=10.0, small=True)
     full = common._Options(quick=True, repeats=1, baseline=True, trace_dir=".", timeout_s=10.0)
     assert (small.side(512), full.side(512), small.side(1)) == (256, 512, 1)
+
+
+@pytest.mark.slow  # a measurement (about 25 s on 2 cores): the features it times are tested in test_overlap.py
+@pytest.mark.timeout(600)
+def test_choice_case_reports_both_choices(tmp_path):
+    """``--cases choice``: auto_overlap against the better of on/off, learned accumulation against every backward."""
+    path = tmp_path / "choice.json"
+    assert bench.main(["--quick", "--repeats", "2", "--cases", "choice", "--json", str(path), "--timeout", "300"]) == 0
+    case = json.loads(path.read_text())["cases"]["choice"]
+    assert all(v is not None and v > 0 for v in case["ratios"].values()), case["ratios"]
+    for world in (1, 2):
+        ns = case["details"][f"world{world}"]["ns_matrices_per_step_rank0"]
+        assert ns["acc4_each"] == 4 * ns["acc4_learned"] > 0, ns

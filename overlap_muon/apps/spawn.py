@@ -21,16 +21,25 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["spawn_ranks", "free_port"]
+__all__ = ["spawn_ranks", "free_port", "preload"]
 
 _CTX: Any = None
+_PRELOAD = ["torch", "torch.distributed", "overlap_muon.apps.spawn"]
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too (before the first spawn only): ranks that import a large
+    library (a framework: seconds each) then start with it imported once. A module that fails to import there is
+    skipped by the server."""
+    if _CTX is None:
+        _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "overlap_muon.apps.spawn"])
+        _CTX.set_forkserver_preload(list(_PRELOAD))
     return _CTX
 
 

@@ -1,32 +1,46 @@
-"""A time model of a run made of parts (tests, bench cases): each part's seconds as a fixed part plus a bf16 part and
-an fp32 part, so that a run measured on one machine predicts the run on a machine with other matmul rates.
+"""A time model of a run made of parts (tests, bench cases): each part's seconds as interpreter starts, bf16 work and
+fp32 work, so that a run measured on one machine predicts the run on a machine with other rates.
 
-A part's duration on a machine whose one-thread matmul rates are ``bf16`` and ``fp32`` GFLOP/s is modelled as
-``seconds + bf16_gflop / bf16 + fp32_gflop / fp32``: ``bf16_gflop`` is the work that runs at the bf16 matmul rate
-(NS, in bf16 as ``torch.optim.Muon``), ``fp32_gflop`` the work that runs at the fp32 rate (forward and backward,
-fp32 references), ``seconds`` the rest (spawning ranks, imports, Python, gloo). The three numbers of each part are
-fitted (:func:`fit`, non-negative least squares) to its durations measured at three or more pairs of rates: one CPU
-can emulate slower ones (docs/results.md, "Time models").
+A part's duration on a machine is modelled as ``spawns * spawn + bf16_gflop / bf16 + fp32_gflop / fp32``, with the
+machine's three rates: ``spawn``, the seconds to start Python and import torch (:func:`spawn_seconds`: what every
+rank, subprocess and example pays, and a fair measure of the machine's speed at plain Python), and ``bf16`` /
+``fp32``, its one-thread matmul GFLOP/s (``bench.common.matmul_gflops``). ``bf16_gflop`` is the work that runs at
+the bf16 matmul rate (NS, in bf16 as ``torch.optim.Muon``), ``fp32_gflop`` the work that runs at the fp32 rate
+(forward and backward, fp32 references), ``spawns`` the rest (spawning ranks, imports, Python, gloo) in units of
+one interpreter start. The three numbers of each part are fitted (:func:`fit`, non-negative least squares) to its
+durations measured at three or more sets of rates: one CPU can emulate slower matmuls (docs/results.md, "Time
+models").
 """
 
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+import time
 
 import numpy as np
 
-__all__ = ["SLOWEST", "predict", "fit"]
+__all__ = ["SLOWEST", "spawn_seconds", "predict", "fit"]
 
-#: One-thread matmul rates of the slowest CPU we know, GFLOP/s (a 2-core AMD EPYC with AVX2 only).
-SLOWEST = {"bf16": 1.5, "fp32": 21.0}
+#: The rates of the slowest CPU we know, a 2-core AMD EPYC with AVX2 only: one-thread matmul GFLOP/s as measured
+#: there, and its interpreter start as inferred from its run of the test suite (docs/results.md, "Time models").
+SLOWEST = {"bf16": 1.5, "fp32": 21.0, "spawn": 2.7}
+
+
+def spawn_seconds() -> float:
+    """Seconds to start this Python and import ``torch`` and ``torch.distributed`` in a new process (once)."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, torch.distributed"], check=True)
+    return time.perf_counter() - t0
 
 
 def predict(model: dict[str, list[float]], measured: dict[str, float], here: dict[str, float],
             there: dict[str, float]) -> tuple[float, int]:
-    """Seconds the tests of ``measured`` (``{nodeid: seconds here}``) take on a machine with rates ``there``.
+    """Seconds the parts of ``measured`` (``{name: seconds here}``) take on a machine with rates ``there``.
 
-    A test the model does not know (new since the fit) counts as all fp32 work at its time ``here``: scaled by
-    ``here["fp32"] / there["fp32"]`` (a pessimistic guess on a slower machine).
+    A part the model does not know (new since the fit) counts as interpreter starts at its time ``here``: scaled by
+    ``there["spawn"] / here["spawn"]``.
 
     Returns:
         ``(seconds, number of tests the model does not know)``.
@@ -36,9 +50,9 @@ def predict(model: dict[str, list[float]], measured: dict[str, float], here: dic
         m = model.get(node)
         if m is None:
             unknown += 1
-            total += secs * here["fp32"] / there["fp32"]
+            total += secs * there["spawn"] / here["spawn"]
         else:
-            total += m[0] + m[1] / there["bf16"] + m[2] / there["fp32"]
+            total += m[0] * there["spawn"] + m[1] / there["bf16"] + m[2] / there["fp32"]
     return total, unknown
 
 
@@ -58,18 +72,18 @@ def _nnls3(a: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def fit(runs: list[dict]) -> dict[str, list[float]]:
-    """Per test, the ``[seconds, bf16_gflop, fp32_gflop]`` that best explain its durations in ``runs`` (each a
-    ``--time-log`` file's content: ``{"rates": {...}, "durations": {nodeid: seconds}}``). A test missing from some
-    runs (moved to the long tier where bf16 is slow) is fitted on the runs it is in: with one, all of its time is
-    fixed."""
+    """Per part, the ``[spawns, bf16_gflop, fp32_gflop]`` that best explain its durations in ``runs`` (each
+    ``{"rates": {"bf16", "fp32", "spawn"}, "durations": {name: seconds}}``, e.g. a ``--time-log`` file). A part
+    missing from some runs (a test moved to the long tier where bf16 is slow) is fitted on the runs it is in: with
+    one, all of its time is interpreter starts."""
     nodes = sorted(set().union(*(r["durations"] for r in runs)))
     out = {}
     for node in nodes:
-        rows = [(1.0, 1.0 / r["rates"]["bf16"], 1.0 / r["rates"]["fp32"], r["durations"][node])
+        rows = [(r["rates"]["spawn"], 1.0 / r["rates"]["bf16"], 1.0 / r["rates"]["fp32"], r["durations"][node])
                 for r in runs if node in r["durations"]]
         arr = np.array(rows)
         if len(rows) == 1:
-            x = np.array([arr[0, 3], 0.0, 0.0])
+            x = np.array([arr[0, 3] / arr[0, 0], 0.0, 0.0])
         else:
             x = _nnls3(arr[:, :3], arr[:, 3])
         out[node] = [round(float(v), 4) for v in x]

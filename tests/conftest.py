@@ -20,19 +20,6 @@ _RATES = pytest.StashKey[dict]()
 _HEAVY = pytest.StashKey[set]()
 _BF16_MOVED = pytest.StashKey[int]()
 _durations: dict[str, float] = {}
-_SPAWN = pytest.StashKey[tuple]()
-
-
-def pytest_configure(config):
-    """Time an interpreter start (the time model's third rate) beside the first tests, on a thread."""
-    import threading
-
-    from overlap_muon.apps.time_model import spawn_seconds
-
-    out: list[float] = []
-    thread = threading.Thread(target=lambda: out.append(spawn_seconds()), daemon=True)
-    thread.start()
-    config.stash[_SPAWN] = (thread, out)
 
 
 def pytest_addoption(parser):
@@ -86,9 +73,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"bf16 matmul runs at {rates['bf16']:.1f} GFLOP/s here against {rates['fp32']:.0f} for fp32 (no native "
             f"bf16): {moved} NS-heavy tests join the long tier (-m slow; -m \"\" runs every tier)")
     durations = _durations
-    thread, spawn = config.stash[_SPAWN]
-    thread.join(timeout=60)
-    rates = dict(rates, spawn=spawn[0] if spawn else time_model.SLOWEST["spawn"])
+    from overlap_muon.apps.time_model import spawn_seconds
+
+    rates = dict(rates, spawn=spawn_seconds())  # now that no test loads the machine
     log = config.getoption("--time-log")
     if log:
         import json

@@ -23,7 +23,7 @@ _SUBSET = ("step", "ns", "comm", "balance", "surplus", "memory")
 def quick_report(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("bench") / "quick.json"
     # Hang guards, not speed: about 5 s on an idle AMX Xeon, minutes on a CPU without native bf16 or under load.
-    rc = bench.main(["--quick", "--repeats", "2", "--cases", ",".join(_SUBSET), "--json", str(path),
+    rc = bench.main(["--quick", "--small", "--repeats", "2", "--cases", ",".join(_SUBSET), "--json", str(path),
                      "--timeout", "300"])
     assert rc == 0
     with open(path) as f:
@@ -146,6 +146,7 @@ def test_memory_case_counts_the_optimizer_only(quick_report):
             assert r[v] > 0 and r["min"][v] > 0, (world, v, r)
 
 
+@pytest.mark.slow  # a measurement against DistMuon (about 20 s); the skip path below stays in the default tier
 @pytest.mark.timeout(240)
 def test_peers_case_runs_quick_or_skips_cleanly(tmp_path):
     """``--cases peers --quick`` either measures OverlapMuon against torchtitan's DistMuon, with every result

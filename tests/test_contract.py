@@ -315,7 +315,9 @@ def _fsdp_tp_body(rank, world, case):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["plain", "clip", "foreach", "clip_value", "hyper", "probe"])
+@pytest.mark.parametrize("case", ["plain", "clip", pytest.param("foreach", marks=pytest.mark.slow),
+                                  pytest.param("clip_value", marks=pytest.mark.slow), "hyper",
+                                  pytest.param("probe", marks=pytest.mark.slow)])
 def test_fsdp_tp_2x2_overlap_equals_sync(case):
     """Also: a plain loop re-runs nothing (FSDP2 and TP leave the gradients alone once their hooks fired), so
     the overlap is kept; clipping and a changed momentum re-run waves. ``foreach``/``clip_value``: bug, the

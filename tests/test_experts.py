@@ -197,7 +197,7 @@ def test_world1_grouped_and_linear_experts_bitwise():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("form", ["dtensor", "plain"])
+@pytest.mark.parametrize("form", ["dtensor", pytest.param("plain", marks=pytest.mark.slow)])
 def test_ep2_etp2_beside_remat2_tp2(form):
     """4 ranks: dense remat 2 x TP 2, experts EP 2 x ETP 2 (grouped 3-D weights split by rows and by columns,
     per-expert linears), sync and overlap, fused and two-stage, layer-sharded and duplicated; EP index 0's experts

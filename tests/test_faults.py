@@ -186,10 +186,12 @@ def _fault_body(rank, world, R, T, point, fused, timeout_from_env, check_dtensor
 
 
 # world, R, T, point, fused, timeout from env, also check a DTensor optimizer's groups
+# The default tier keeps a death at world 4 (DTensor, timeout from the environment) and a stall at world 2; the
+# others join the long tier (-m slow).
 FAULTS = [
-    (2, 1, 2, "kill_backward", True, False, False),
+    pytest.param(2, 1, 2, "kill_backward", True, False, False, marks=pytest.mark.slow),
     (4, 2, 2, "kill_backward", True, True, True),
-    (4, 2, 2, "kill_after_step", False, True, False),
+    pytest.param(4, 2, 2, "kill_after_step", False, True, False, marks=pytest.mark.slow),
     (2, 1, 2, "stall_backward", True, False, False),
 ]
 
@@ -198,7 +200,7 @@ FAULTS = [
 @pytest.mark.parametrize(
     "world,R,T,point,fused,from_env,dtensor",
     FAULTS,
-    ids=[f"{f[0]}-{f[3]}-{'fused' if f[4] else 'two_stage'}" for f in FAULTS],
+    ids=[f"{f[0]}-{f[3]}-{'fused' if f[4] else 'two_stage'}" for f in (getattr(f, "values", f) for f in FAULTS)],
 )
 def test_peer_fault_raises_naming_the_exchange(world, R, T, point, fused, from_env, dtensor, tmp_path):
     """Regression for a hang: a peer that dies (or stalls) mid-step must make every other rank raise, within the

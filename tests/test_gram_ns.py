@@ -21,7 +21,8 @@ from tests.dist_utils import run_ranks
 from tests.models import HP
 
 
-@pytest.mark.parametrize("shape", [(256, 1024), pytest.param((512, 2048), marks=pytest.mark.bf16_heavy), (1024, 256)])
+@pytest.mark.parametrize("shape", [(256, 1024), pytest.param((512, 2048), marks=pytest.mark.bf16_heavy),
+                                   pytest.param((1024, 256), marks=pytest.mark.slow)])  # tall: the long tier
 @pytest.mark.parametrize("rank", ["full", "low"])
 def test_error_against_float64_beside_plain(shape, rank):
     """Relative Frobenius error against float64 NS, as a ratio to plain bf16 NS's, over 3 random matrices per case.

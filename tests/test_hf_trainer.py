@@ -105,7 +105,8 @@ def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0, 100.0])
+@pytest.mark.parametrize("max_grad_norm", [pytest.param(0.0, marks=pytest.mark.slow), 1.0,
+                                           pytest.param(100.0, marks=pytest.mark.slow)])  # 0 and 100: long tier
 def test_trainer_keeps_the_overlap_and_is_exact(max_grad_norm, world):
     """World 1 (no DDP) and world 2 (Trainer's DDP, with the callback): bitwise the reference, and waves re-run
     only on the steps where clipping bites (``max_grad_norm=0``: Trainer still clips with ``inf`` to log the norm;

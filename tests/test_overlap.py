@@ -102,7 +102,7 @@ def _on_off_dtensor(rank, world, R, T):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("R,T", [(1, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("R,T", [(1, 1), pytest.param(1, 2, marks=pytest.mark.slow), (2, 2)])
 def test_overlap_on_off_equal(R, T):
     """Overlap on vs off after 5 steps, fused and two-stage: bitwise equal (plain model also to torch.optim.Muon)."""
     res = run_ranks(_on_off_plain, R * T, R, T, timeout=180)

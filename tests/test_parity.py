@@ -124,8 +124,13 @@ ALL_CONFIGS = [
 ]
 
 
+# The default tier keeps one process, a square grid and an odd TP size; the others join the long tier (-m slow).
+_DEFAULT_GRIDS = {(1, 1), (2, 2), (1, 3)}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("R,T", GRIDS, ids=[f"{r}x{t}" for r, t in GRIDS])
+@pytest.mark.parametrize("R,T", [pytest.param(*g, marks=() if g in _DEFAULT_GRIDS else pytest.mark.slow) for g in GRIDS],
+                         ids=[f"{r}x{t}" for r, t in GRIDS])
 def test_parity_grid(R, T):
     """Params and momentum equal torch.optim.Muon + AdamW bitwise, for every input form and toggle."""
     results = run_ranks(_run_grid, R * T, R, T, ALL_CONFIGS, timeout=280)

@@ -45,7 +45,7 @@ def _team_body(rank, world, shapes):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_team_split_over_ranks(world):
     res = run_ranks(_team_body, world, _SHAPES, timeout=150)
     for i, s in enumerate(_SHAPES):

@@ -156,11 +156,11 @@ def _titan_body(rank, world, shape, names):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("shape,names,domain", [
-    ((1, 2), ("dp_shard", "tp"), (1, 2)),
+@pytest.mark.parametrize("shape,names,domain", [  # the default tier keeps a 2-D and a 3-D mesh
+    pytest.param((1, 2), ("dp_shard", "tp"), (1, 2), marks=pytest.mark.slow),
     ((2, 2), ("dp_shard", "tp"), (2, 2)),
     ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), (1, 2)),
-    ((2, 2, 1), ("dp_replicate", "dp_shard", "tp"), (2, 1)),
+    pytest.param((2, 2, 1), ("dp_replicate", "dp_shard", "tp"), (2, 1), marks=pytest.mark.slow),
 ])
 def test_torchtitan_named_mesh_bitwise(shape, names, domain):
     """Bug: a mesh named as torchtitan names it was rejected ("a 2-D device_mesh must have dims ('remat', 'tp')").

@@ -239,3 +239,23 @@ def test_choice_case_reports_both_choices(tmp_path):
     for world in (1, 2):
         ns = case["details"][f"world{world}"]["ns_matrices_per_step_rank0"]
         assert ns["acc4_each"] == 4 * ns["acc4_learned"] > 0, ns
+
+
+def test_time_model_recovers_known_parts_and_predicts():
+    """``time_model.fit`` recovers each part's interpreter starts, bf16 and fp32 work from runs at three sets of
+    rates; ``predict`` sums them at other rates, and scales a part it does not know by the interpreter start."""
+    from overlap_muon.apps.time_model import fit, predict
+
+    truth = {"a": [2.0, 0.0, 0.0], "b": [0.5, 30.0, 0.0], "c": [1.0, 2.0, 200.0]}
+    rates = [{"bf16": 300.0, "fp32": 90.0, "spawn": 1.5}, {"bf16": 3.0, "fp32": 80.0, "spawn": 1.6},
+             {"bf16": 2.5, "fp32": 25.0, "spawn": 1.5}]
+
+    def run(r):
+        return {k: s * r["spawn"] + b / r["bf16"] + f / r["fp32"] for k, (s, b, f) in truth.items()}
+
+    model = fit([{"rates": r, "durations": run(r)} for r in rates])
+    for k, want in truth.items():
+        assert model[k] == pytest.approx(want, rel=1e-3, abs=1e-3), k
+    there = {"bf16": 1.5, "fp32": 21.0, "spawn": 2.7}
+    total, unknown = predict(model, dict(run(rates[0]), d=3.0), rates[0], there)
+    assert unknown == 1 and total == pytest.approx(sum(run(there).values()) + 3.0 * 2.7 / 1.5, rel=1e-3)

@@ -147,7 +147,7 @@ def _fsdp_body(rank, world, how):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["block_method", "block_wrap"])
+@pytest.mark.parametrize("how", ["block_method", pytest.param("block_wrap", marks=pytest.mark.slow)])
 def test_compiled_blocks_fsdp2_world2(how):
     """FSDP2 over 2 ranks with each block compiled ``fullgraph=True``: FSDP2's own hooks and our waits both run
     eagerly at the block (ours first); bitwise equal to overlap off."""

@@ -32,7 +32,7 @@ def test_fsdp_tp_example_under_torchrun():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks, route", [pytest.param(1, [], marks=pytest.mark.slow), (2, []),
+@pytest.mark.parametrize("ranks, route", [(1, []), pytest.param(2, [], marks=pytest.mark.slow),
                                           pytest.param(2, ["--factory"], marks=pytest.mark.slow)])
 def test_hf_trainer_example(ranks, route):
     """One process, and Trainer's DDP on 2 ranks under torchrun, on both routes (``optimizers=`` and Trainer's factory

@@ -138,8 +138,9 @@ def _body(rank, world, R, T, mode, split, overlap):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("world,R,T,mode,split", [
-    (1, 1, 1, "layer_sharded", False), (1, 1, 1, "layer_sharded", True), (2, 2, 1, "layer_sharded", False),
-    (2, 1, 2, "layer_sharded", True), (2, 2, 1, "duplicated", False), (4, 2, 2, "layer_sharded", True)],
+    (1, 1, 1, "layer_sharded", False), pytest.param(1, 1, 1, "layer_sharded", True, marks=pytest.mark.slow),
+    (2, 2, 1, "layer_sharded", False), pytest.param(2, 1, 2, "layer_sharded", True, marks=pytest.mark.slow),
+    pytest.param(2, 2, 1, "duplicated", False, marks=pytest.mark.slow), (4, 2, 2, "layer_sharded", True)],
     ids=["world1", "world1_split", "fsdp2", "tp2_split", "fsdp2_duplicated", "fsdp2xtp2_split"])
 def test_bitwise_torch_muon_with_the_same_gram_ns(world, R, T, mode, split, overlap):
     """Homes (layer-sharded, FSDP and TP layouts), duplicated mode and split parts: each matrix's update equals

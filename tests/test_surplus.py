@@ -235,7 +235,7 @@ def _surplus_body(rank, world, R, T, surplus, overlap):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("R,T", [(1, 2), (2, 2), (1, 4)])
+@pytest.mark.parametrize("R,T", [(1, 2), (2, 2), pytest.param(1, 4, marks=pytest.mark.slow)])
 def test_runtime_duplicate_is_bitwise_the_single_home_result(R, T):
     """``surplus="duplicate"``: the waves with room for every rank run as gathers (each rank NS's the wave's
     matrices and keeps its block, nothing is scattered), and the waves whose plan gives a matrix some of the ranks

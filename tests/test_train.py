@@ -197,10 +197,13 @@ def _launch_rank(rank: int, world: int, argv: list[str]) -> subprocess.Popen:
     )
 
 
-def test_bad_input_one_line_error_on_every_rank(tmp_path):
+def test_bad_input_one_line_error_on_every_rank(tmp_path, monkeypatch, capsys):
     """Bad flags or data fail on every rank with one ``error:`` line that says what to change and a non-zero exit,
-    before any collective: the ranks are launched as torchrun would (RANK / WORLD_SIZE set), so a check that ran
-    after ``init_process_group`` would hang here until the timeout instead of exiting."""
+    before any collective. One case launches both ranks as torchrun would (RANK / WORLD_SIZE set), so a check that
+    ran after ``init_process_group`` would hang there until the timeout instead of exiting; the others call
+    ``main`` in this process as each rank (``init_process_group`` would fail here: no MASTER_ADDR)."""
+    from overlap_muon.apps.train import main
+
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     cases = {
@@ -210,18 +213,24 @@ def test_bad_input_one_line_error_on_every_rank(tmp_path):
         "heads": (["--d-model", "30", "--n-heads", "4"], ["d_model=30", "--d-model", "--n-heads"]),
         "moe": (["--moe-experts", "3"], ["moe_experts=3", "world size 2", "--moe-experts"]),
     }
-    # Both ranks for a flag and for a file; rank 0 alone for the rest: with WORLD_SIZE=2 and no peer, a check after
-    # init_process_group would hang there too.
-    procs = {name: [_launch_rank(r, 2, argv) for r in range(2 if name in ("missing", "tp") else 1)]
-             for name, (argv, _) in cases.items()}
-    for name, (_, expect) in cases.items():
-        for r, p in enumerate(procs[name]):
-            try:
-                _, err = p.communicate(timeout=90)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                pytest.fail(f"{name}: rank {r} did not exit (it must fail before any collective)")
-            assert p.returncode != 0, f"{name}: rank {r} exited 0"
+    procs = [_launch_rank(r, 2, cases["tp"][0]) for r in range(2)]
+    for name, (argv, expect) in cases.items():
+        for r in range(2):
+            if name == "tp":
+                try:
+                    _, err = procs[r].communicate(timeout=90)
+                except subprocess.TimeoutExpired:
+                    procs[r].kill()
+                    pytest.fail(f"{name}: rank {r} did not exit (it must fail before any collective)")
+                assert procs[r].returncode != 0, f"{name}: rank {r} exited 0"
+            else:
+                monkeypatch.setenv("RANK", str(r))
+                monkeypatch.setenv("WORLD_SIZE", "2")
+                monkeypatch.setenv("LOCAL_RANK", str(r))
+                with pytest.raises(SystemExit) as exit_:
+                    main(argv)
+                assert exit_.value.code == 2
+                err = capsys.readouterr().err
             lines = [ln for ln in err.splitlines() if "error:" in ln]
             assert len(lines) == 1, f"{name}: rank {r} stderr:\n{err}"
             assert lines[0].startswith(f"[rank {r}] overlap-muon-train: error: "), lines[0]
@@ -249,6 +258,7 @@ def test_data_is_deterministic_and_validated(tmp_path):
         load_file(str(small)).check_window(32)
 
 
+@pytest.mark.slow  # the job's flag; max_grad_norm overlap == sync on FSDP x TP is in test_contract.py
 def test_max_grad_norm_overlap_equals_sync(tmp_path):
     """``--max-grad-norm``: the built-in clip (biting here: the bound is tiny) keeps overlap mode bitwise equal to
     the synchronous step, at TP 2 and at TP 1 x remat 2."""
@@ -412,6 +422,7 @@ def test_qk_clip_runs_and_is_exact_across_modes(tmp_path):
     assert runs[4]["qk_clipped_heads"] == 0 and _figures(runs[4]) == _figures(runs[5])
 
 
+@pytest.mark.slow  # a 60-step learning run (about 13 s): Gram NS's exactness and error are tested in test_gram_ns.py
 def test_gram_ns_run_beats_the_unigram_floor(tmp_path):
     """``OVERLAP_MUON_GRAM_NS=1``: the MLP matrices (128 x 32) run Gram NS. 60 steps end below the unigram floor, as
     the default run does; overlap equals the synchronous step bit for bit; and the run differs from plain NS (the

@@ -20,7 +20,10 @@ import time
 from types import ModuleType
 from typing import Any
 
+from overlap_muon.apps.time_model import spawn_seconds
+
 from . import balance, choice, comm, memory, ns, overhead, overlap, peers, step, surplus
+from .budget import quick_summary
 from .common import _Options, _two_thread_speedup, machine_info, matmul_gflops, quiet_split_log, slow_bf16
 
 __all__ = ["main", "CASES", "CASE_MODULES", "expected_ratio_keys", "machine_info"]
@@ -171,12 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.py_spy:
         report["py_spy"] = _py_spy(o)
     report["elapsed_s"] = time.perf_counter() - t_all
+    if o.quick and not failed:
+        line, report["time_model"] = quick_summary({n: report["cases"][n]["elapsed_s"] for n in names},
+                                                   dict(rates, spawn=spawn_seconds()))
     with contextlib.suppress(OSError):
         info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"\n{'ratio':<52}{'value':>10}")
     for k, v in report["ratios"].items():
         print(f"{k:<52}{'-' if v is None else format(v, '.4f'):>10}")
     print(f"total {report['elapsed_s']:.1f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    if "time_model" in report:
+        print(line)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

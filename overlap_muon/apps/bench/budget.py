@@ -1,0 +1,35 @@
+"""The time model of ``overlap-muon-bench --quick``: each case's ``[spawns, bf16_gflop, fp32_gflop]``
+(``overlap_muon.apps.time_model``), fitted to runs of this CPU emulating slower ones (docs/results.md, "Time
+models"), and the run's budget on the slowest CPU we know.
+
+The bench prints, after a ``--quick`` run of every case, the model's total for this machine's rates next to the
+measured total, and its total on the slowest CPU (``time_model.SLOWEST``), whose budget is :data:`QUICK_BUDGET_S`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from overlap_muon.apps.time_model import SLOWEST, predict
+
+__all__ = ["QUICK_BUDGET_S", "QUICK_MODEL", "quick_summary"]
+
+#: What the model may predict for ``--quick`` (every case) on the slowest CPU we know, seconds (the budget is 2 min).
+QUICK_BUDGET_S = 110.0
+
+#: Per case, ``[spawns, bf16_gflop, fp32_gflop]`` of a ``--quick`` run (``--small`` where bf16 is slow).
+QUICK_MODEL: dict[str, list[float]] = {}
+
+
+def quick_summary(elapsed: dict[str, float], rates: dict[str, float]) -> tuple[str, dict[str, Any]]:
+    """One line (and its figures) comparing the measured ``elapsed`` (``{case: seconds}``) with the model at
+    ``rates`` (``bf16``, ``fp32``, ``spawn``), and the model's total on the slowest CPU with its budget."""
+    here, unknown = predict(QUICK_MODEL, elapsed, rates, rates)
+    slowest, _ = predict(QUICK_MODEL, elapsed, rates, SLOWEST)
+    got = sum(elapsed.values())
+    line = (f"time model (overlap_muon/apps/bench/budget.py): the cases took {got:.0f} s here (matmul bf16 "
+            f"{rates['bf16']:.1f}, fp32 {rates['fp32']:.1f} GFLOP/s, interpreter start {rates['spawn']:.2f} s), the "
+            f"model says {here:.0f} s; on the slowest CPU we know (bf16 {SLOWEST['bf16']}, fp32 {SLOWEST['fp32']:.0f}, "
+            f"start {SLOWEST['spawn']:.1f} s) it says {slowest:.0f} s (budget {QUICK_BUDGET_S:.0f} s)"
+            + (f"; {unknown} cases unknown to it" if unknown else ""))
+    return line, {"measured_s": got, "model_here_s": here, "model_slowest_s": slowest, "unknown_cases": unknown}

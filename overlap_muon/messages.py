@@ -80,18 +80,21 @@ RERUN_CAUSES: dict[str, tuple[str, str]] = {
 }
 
 
-def rerun_warnings(stats: dict[str, int], warned: set[str], waves: int) -> None:
-    """Warn once per re-run cause seen in ``stats`` (``reruns.<cause>``) and not in ``warned`` (updated): what
-    happened, how many waves of ``waves`` it cost, and the fix. An extra backward in the first step is the
+def rerun_warnings(stats: dict[str, int], seen: dict[str, int], warned: set[str], waves: int) -> None:
+    """Warn once per re-run cause whose count in ``stats`` (``reruns.<cause>``) grew since ``seen`` (both updated):
+    what happened, how many waves of ``waves`` it cost, and the fix. An extra backward in the first step is the
     accumulation being learned, not a cause."""
     for key, count in list(stats.items()):
         cause = key[len("reruns."):] if key.startswith("reruns.") else None
-        if not count or cause is None or cause in warned or (cause == "extra_backward" and not stats["steps"]):
+        if cause is None or count <= seen.get(cause, 0):
+            continue
+        new, seen[cause] = count - seen.get(cause, 0), count
+        if cause in warned or (cause == "extra_backward" and not stats["steps"]):
             continue
         warned.add(cause)
         op = cause.split(":", 1)[1] if ":" in cause else ""
         if op.startswith("collective:"):
             cause, op = "grad_edited:collective", op.split(":", 1)[1]
         what, fix = RERUN_CAUSES.get(cause, RERUN_CAUSES["grad_edited"])
-        warn_user(f"OverlapMuon: {count} of {waves} waves re-ran in step() because {what.format(op=op)}; exact, but "
+        warn_user(f"OverlapMuon: {new} of {waves} waves re-ran in step() because {what.format(op=op)}; exact, but "
                   f"those waves lost their overlap: {fix}.")

@@ -141,7 +141,7 @@ class OverlapMuon(torch.optim.Optimizer):
         self.stats: dict[str, int] = defaultdict(int)
         self._binding.bind(placed)
         self._link_adamw()  # State is created at a param's first gradient, as torch does ([Note: lazy state]).
-        self._warned_reruns, self._built = set(), True
+        self._warned_reruns, self._built = ({}, set()), True
         if ddp is not None:
             self.attach_ddp(ddp)
         if self._rank == 0:
@@ -246,7 +246,7 @@ class OverlapMuon(torch.optim.Optimizer):
             ok, norm, reruns = self._rt.commit_step(self.max_grad_norm, clip_params)
             self.last_grad_norm = norm if norm is not None else getattr(self, "last_grad_norm", None)
             if reruns or self.stats["reruns.extra_backward"]:
-                rerun_warnings(self.stats, self._warned_reruns, len(self._rt.waves))
+                rerun_warnings(self.stats, *self._warned_reruns, len(self._rt.waves))
             if self._adamw is not None and ok:
                 self._adamw.step()
                 init_adamw_state(self.param_groups[1:], self._state, self._rt.adamw_elsewhere())

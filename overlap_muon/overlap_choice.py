@@ -40,7 +40,6 @@ class OverlapChoice:
 
     def __init__(self, event: Callable[[], Any] | None) -> None:
         self.event, self.cuda = event, event is not None
-        self.steps = 0
         self.marks: list[Any] = []  # the end of each step from the first on: a host time or a CUDA event
         self.result: tuple[float, float] | None = None  # agreed median seconds (on, off), once decided
 
@@ -50,7 +49,6 @@ class OverlapChoice:
     def mode_for_next(self) -> bool | None:
         """After a step ended: the overlap the next iteration runs with during the trial (``None``: the trial is
         over, or its times are not readable yet)."""
-        self.steps += 1
         if self.result is not None or len(self.marks) > 2 * TRIAL:
             return None
         self.marks.append(self._mark())

@@ -59,7 +59,7 @@ def _choice_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds
         return (time.perf_counter() - t0) / n
 
     for name in variants:  # warm-up; auto_overlap's trial (its first 2 * TRIAL + 1 steps) ends inside it
-        run_chunk(name, 2 * TRIAL + 2 if name == "auto" else 2)
+        run_chunk(name, 2 * TRIAL + 2 if name == "auto" else 1)
     ns0 = {n: (o.stats["ns_matrices"], o.stats["steps"]) for n, (_, o) in variants.items()}
     times: dict[str, list[float]] = {n: [] for n in variants}
     names = list(variants)
@@ -78,8 +78,8 @@ def _choice_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds
 
 def run(o: _Options) -> _CaseResult:
     d = o.side(256)
-    blocks, tokens = (2, 512) if o.quick else (6, 1024)
-    rounds, chunk = o.reps(3, 5), 2 if o.quick else 3
+    blocks, tokens = (2, 128 if o.small else 512) if o.quick else (6, 1024)
+    rounds, chunk = o.reps(3, 5), (1 if o.small else 2) if o.quick else 3
     ratios: dict[str, float | None] = {}
     lines, det = [], {"d_model": d, "blocks": blocks, "tokens": tokens, "rounds": rounds, "iters_per_chunk": chunk}
     for world in (1, 2):

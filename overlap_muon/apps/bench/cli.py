@@ -45,6 +45,10 @@ CASE_MODULES: dict[str, ModuleType] = {
 #: Case names, in the order a full run executes them.
 CASES: tuple[str, ...] = tuple(CASE_MODULES)
 
+#: Cases a ``--quick`` run leaves out unless named: ``choice`` times ``auto_overlap`` after its trial (12 steps per
+#: variant and world before it measures anything).
+NOT_QUICK: tuple[str, ...] = ("choice",)
+
 
 def expected_ratio_keys(case: str) -> tuple[str, ...]:
     """The keys of ``cases[case]["ratios"]`` in the JSON (each present in every run of the case).
@@ -100,9 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 cores)")
     ap.add_argument("--small", action="store_true",
-                    help="half-size matrices in the NS-heavy cases (ns, surplus); on by itself with --quick where bf16 "
-                         "matmul is slower than fp32")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+                    help="half-size matrices in the NS-heavy cases, fewer tokens and iterations in the training cases; "
+                         "on by itself with --quick where bf16 matmul is slower than fp32")
+    ap.add_argument("--cases", default=None, help=f"comma-separated subset of {','.join(CASES)} (default: every "
+                    f"case; with --quick every case but {', '.join(NOT_QUICK)})")
     ap.add_argument("--json", metavar="PATH", help="write every figure, ratio and the machine description here")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per variant (default: per case)")
     ap.add_argument("--no-baseline", action="store_true", help="overhead case: time our step only (what --py-spy records)")
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     ap = _parser()
     args = ap.parse_args(argv)
-    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    cases = args.cases or ",".join(c for c in CASES if not (args.quick and c in NOT_QUICK))
+    names = [c.strip() for c in cases.split(",") if c.strip()]
     unknown = [c for c in names if c not in CASES]
     if unknown or not names:
         ap.error(f"--cases: unknown {unknown or 'empty list'}; choose from {','.join(CASES)}")

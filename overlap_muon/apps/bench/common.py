@@ -55,8 +55,9 @@ class _Options:
     timeout_s: float
     """Hard wall-clock limit of one multi-rank spawn, seconds."""
     small: bool = False
-    """Halve the NS-heavy cases' matrix sides (``--small``, or ``--quick`` on a CPU whose bf16 matmul is slower than
-    fp32: without native bf16 every NS, which runs in bf16, is several times slower)."""
+    """Halve the NS-heavy cases' matrix sides, and with ``--quick`` the training cases' tokens and iterations per
+    round (``--small``, or ``--quick`` on a CPU whose bf16 matmul is slower than fp32: without native bf16 every NS,
+    which runs in bf16, is several times slower)."""
 
     def reps(self, quick: int, full: int) -> int:
         """Timed repeats: ``--repeats``, else the case's ``quick`` or ``full`` count; a quick run with

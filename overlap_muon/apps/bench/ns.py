@@ -48,8 +48,9 @@ def _bmm_like_ns(x: Tensor, steps: int) -> Tensor:
 
 def run(o: _Options) -> _CaseResult:
     # The step case's matrices as the runtime batches them by shape (square, wide, tall).
-    batches = ((8, o.side(256), o.side(256)), (4, o.side(1024), o.side(256)), (4, o.side(256), o.side(1024))) \
-        if o.quick else (
+    k = 2 if o.small else 1  # --small: half the sides and half the matrices
+    batches = ((8 // k, o.side(256), o.side(256)), (4 // k, o.side(1024), o.side(256)),
+               (4 // k, o.side(256), o.side(1024))) if o.quick else (
         (48, 256, 256), (12, 1024, 256), (12, 256, 1024))
     warmup, repeats = 1, o.reps(3, 7)
     steps = 5

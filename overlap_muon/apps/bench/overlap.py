@@ -319,8 +319,8 @@ def _overlap_llama_rank(rank: int, world: int, layers: int, d: int, batch: int, 
 
 def run(o: _Options) -> _CaseResult:
     d = o.side(256)
-    blocks, tokens = (2, 512) if o.quick else (6, 1024)
-    rounds, chunk = o.reps(3, 5), (2 if o.quick else 3)
+    blocks, tokens = (2, 128 if o.small else 512) if o.quick else (6, 1024)
+    rounds, chunk = o.reps(3, 5), (1 if o.small else 2) if o.quick else 3
     ratios: dict[str, float | None] = {}
     lines, det = [], {"d_model": d, "blocks": blocks, "tokens": tokens, "rounds": rounds, "iters_per_chunk": chunk,
                       "matrices": 4 * blocks}

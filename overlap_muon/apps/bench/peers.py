@@ -354,8 +354,8 @@ def run(o: _Options) -> _CaseResult:
 
     d, heads = o.side(256), 4
     step_layers, warmup, repeats = (2, 1, o.reps(5, 30)) if o.quick else (12, 2, o.reps(5, 30))
-    it_layers, batch, seq = (2, 2, 128) if o.quick else (4, 4, 256)
-    rounds, chunk = o.reps(3, 8), (2 if o.quick else 3)
+    it_layers, batch, seq = (2, 2, 64 if o.small else 128) if o.quick else (4, 4, 256)
+    rounds, chunk = o.reps(3, 8), (1 if o.small else 2) if o.quick else 3
     ratios: dict[str, float | None] = {}
     lines: list[str] = []
     det: dict[str, Any] = {"torchtitan": getattr(torchtitan, "__version__", "?"), "d_model": d, "heads": heads}

@@ -17,8 +17,19 @@ __all__ = ["QUICK_BUDGET_S", "QUICK_MODEL", "quick_summary"]
 #: What the model may predict for ``--quick`` (every case) on the slowest CPU we know, seconds (the budget is 2 min).
 QUICK_BUDGET_S = 110.0
 
-#: Per case, ``[spawns, bf16_gflop, fp32_gflop]`` of a ``--quick`` run (``--small`` where bf16 is slow).
-QUICK_MODEL: dict[str, list[float]] = {}
+#: Per case, ``[spawns, bf16_gflop, fp32_gflop]`` of a ``--quick --small`` run (``--small`` is on by itself where
+#: bf16 is slow), fitted to three runs on a 2-core AMD EPYC with avx512_bf16: native, oneDNN at AVX2, and that with
+#: MKL's compatible code path (bf16 406 / 3.3 / 3.0 GFLOP/s, fp32 97 / 99 / 30; docs/results.md, "Time models").
+QUICK_MODEL: dict[str, list[float]] = {
+    "balance": [0.0186, 0.0, 0.0],
+    "comm": [0.6286, 0.8232, 0.0],
+    "memory": [0.3606, 1.1033, 5.3285],
+    "ns": [0.0838, 38.8685, 0.0],
+    "overhead": [2.8017, 0.0, 6.5677],
+    "overlap": [1.2514, 32.4824, 0.0],
+    "step": [1.7415, 2.3438, 48.4131],
+    "surplus": [0.8201, 23.8542, 0.0],
+}
 
 
 def quick_summary(elapsed: dict[str, float], rates: dict[str, float]) -> tuple[str, dict[str, Any]]:

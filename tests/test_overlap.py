@@ -149,6 +149,14 @@ def test_scrambled_readiness_order():
 # ---------------------------------------------------------------------------------------------------------------
 # gradient accumulation, unused params
 # ---------------------------------------------------------------------------------------------------------------
+def _domain_ns(opt, before: int, world: int) -> int:
+    """Matrices NS'd over the domain since this rank's count was ``before``."""
+    n = torch.tensor([opt.stats["ns_matrices"] - before])
+    if world > 1:
+        dist.all_reduce(n)
+    return int(n.item())
+
+
 def _accumulate(rank, world, R, T):
     g, t = divmod(rank, T)
     fulls, mu = _reference_plain(2, micro=5)
@@ -167,23 +175,13 @@ def _accumulate(rank, world, R, T):
         net(cs).backward()
         opt.step()
         opt.synchronize()
-        n = torch.tensor([opt.stats["ns_matrices"] - before])
-        if world > 1:
-            dist.all_reduce(n)
-        if n.item() != len(net.SHAPES):
-            bad.append(f"step {s}: {n.item()} matrices NS'd, expected {len(net.SHAPES)}")
+        n = _domain_ns(opt, before, world)
+        if n != len(net.SHAPES):
+            bad.append(f"step {s}: {n} matrices NS'd, expected {len(net.SHAPES)}")
         opt.zero_grad()
     bad += _check_plain(net, opt, fulls, mu, R, T, g, t, f"accumulation rank {rank}")
     opt.close()
     return bad
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("R,T", [(1, 1), (1, 2)])
-def test_gradient_accumulation_no_sync(R, T):
-    """4 micro-batches under no_sync + 1 outside == one step on the summed gradient, bitwise; NS once per matrix."""
-    bad = [b for r in run_ranks(_accumulate, R * T, R, T, timeout=100) for b in r]
-    assert not bad, "\n".join(bad)
 
 
 def _learned(rank, world, R, T):
@@ -200,11 +198,9 @@ def _learned(rank, world, R, T):
                 cs, _ = net.local_grads(s, m)
                 net(cs).backward()
             opt.step()
-            done = torch.tensor([opt.stats["ns_matrices"] - before])
-            if world > 1:
-                dist.all_reduce(done)
-            if s > 0 and done.item() != len(net.SHAPES):
-                bad.append(f"{micro} step {s}: {done.item()} matrices NS'd, expected {len(net.SHAPES)}")
+            done = _domain_ns(opt, before, world)
+            if s > 0 and done != len(net.SHAPES):
+                bad.append(f"{micro} step {s}: {done} matrices NS'd, expected {len(net.SHAPES)}")
             opt.zero_grad()
         bad += _check_plain(net, opt, fulls, mu, R, T, g, t, f"{micro} rank {rank}")
         if opt.stats["reruns"]:
@@ -215,9 +211,12 @@ def _learned(rank, world, R, T):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("R,T", [(1, 1), (1, 2)])
-def test_learned_accumulation(R, T):
-    """[Note: learned accumulation]: no no_sync, NS once per matrix per step from the second step on, bitwise."""
-    bad = [b for r in run_ranks(_learned, R * T, R, T, timeout=130) for b in r]
+@pytest.mark.parametrize("body", [_accumulate, _learned], ids=["no_sync", "learned"])
+def test_gradient_accumulation(body, R, T):
+    """``no_sync``: 4 micro-batches under it + 1 outside == one step on the summed gradient, bitwise, NS once per
+    matrix. Learned ([Note: learned accumulation]): no ``no_sync``, NS once per matrix per step from the second step
+    on, bitwise."""
+    bad = [b for r in run_ranks(body, R * T, R, T, timeout=130) for b in r]
     assert not bad, "\n".join(bad)
 
 

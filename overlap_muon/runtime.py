@@ -57,13 +57,13 @@ class StepPhase(enum.Enum):
     as they pack (nothing can make them stale)."""
 
 
-def _remove_all(handles: list, pipeline: WavePipeline, fixed: bool) -> None:
+def _remove_all(handles: list, pipeline: WavePipeline, fixed: list[bool]) -> None:
     """Finalizer of an OverlapMuon (``close()`` or garbage collection): unhook, stop the lane threads, and give
     back the version fix (the last overlap optimizer removes it)."""
     for h in handles:
         h.remove()
     pipeline.close()
-    if fixed:
+    if fixed[0]:
         version_fix.release()
 
 
@@ -98,6 +98,7 @@ class Runtime:
         self.phase = StepPhase.IDLE
         self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
         self._warned_capture = False
+        self.fixed = [False]  # whether this optimizer holds the version fix (``hook``)
         # [Note: overlap where it pays] in overlap_choice.py
         auto = config.auto_overlap and config.overlap and not self.async_step and config.wave_slots is None
         lanes = self.pipeline.lanes
@@ -166,10 +167,11 @@ class Runtime:
         self.handles += [mod.register_state_dict_pre_hook(sync_hook) for mod in model.modules()
                          if mod is model or any(id(p) in mine for p in mod.parameters(recurse=False))]
         self.fsdp_roots = builder.fsdp_roots(model)
+        self.fixed[0] = self.config.overlap  # the version fix is this optimizer's to give back (_remove_all)
         if self.config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
             dtensors = [m.param for m in self.muon if isinstance(m.param, DTensor)]
             version_fix.acquire(dtensors[0].device_mesh if dtensors else None)
-        return weakref.finalize(owner, _remove_all, self.handles, self.pipeline, self.config.overlap)
+        return weakref.finalize(owner, _remove_all, self.handles, self.pipeline, self.fixed)
 
     def attach_ddp(self, ddp_model: nn.Module) -> None:
         """Readiness from DDP's comm hook instead of the per-param hooks (``OverlapMuon.attach_ddp``)."""
@@ -330,6 +332,13 @@ class Runtime:
         on, off = times[1].item(), times[2].item()
         self.choice.result = (on, off)
         self._set_overlap(on <= off)
+        if on > off:  # off for good: nothing of the overlap stays (hooks, the version fix)
+            if self.tracker is not None:
+                self.tracker.remove()
+                self.tracker = None
+            if self.fixed[0]:
+                self.fixed[0] = False
+                version_fix.release()
         stats = self.pipeline.stats
         stats["overlap_auto_on_us"], stats["overlap_auto_off_us"] = round(on * 1e6), round(off * 1e6)
         stats["overlap_auto_chose_on"] = int(on <= off)

@@ -281,6 +281,8 @@ def _auto(rank, world, R, T, prefer):
     want = [True] * (TRIAL + 1) + [False] * TRIAL + [on] * 3
     if modes != want or opt.stats["overlap_auto_chose_on"] != on:
         bad.append(f"rank {rank}: modes {modes}, expected {want}; stats {dict(opt.stats)}")
+    if not on and (opt._rt.tracker is not None or opt._rt.fixed[0]):
+        bad.append(f"rank {rank}: off for good, but the hooks or the version fix stayed")
     opt.close()
     return bad
 

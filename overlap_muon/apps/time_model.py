@@ -25,14 +25,18 @@ __all__ = ["SLOWEST", "spawn_seconds", "predict", "fit"]
 
 #: The rates of the slowest CPU we know, a 2-core AMD EPYC with AVX2 only: one-thread matmul GFLOP/s as measured
 #: there, and its interpreter start as inferred from its run of the test suite (docs/results.md, "Time models").
-SLOWEST = {"bf16": 1.5, "fp32": 21.0, "spawn": 2.7}
+SLOWEST = {"bf16": 1.5, "fp32": 21.0, "spawn": 2.4}
 
 
-def spawn_seconds() -> float:
-    """Seconds to start this Python and import ``torch`` and ``torch.distributed`` in a new process (once)."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch, torch.distributed"], check=True)
-    return time.perf_counter() - t0
+def spawn_seconds(rounds: int = 3) -> float:
+    """Seconds to start this Python and import ``torch`` and ``torch.distributed`` in a new process (the median of
+    ``rounds``; measure it on a quiet machine: the model's rates are those of one)."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch, torch.distributed"], check=True)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[rounds // 2]
 
 
 def predict(model: dict[str, list[float]], measured: dict[str, float], here: dict[str, float],

@@ -107,8 +107,8 @@ def _grid_body(rank, world, R, T):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("R,T", [(1, 2), pytest.param(1, 4, marks=pytest.mark.slow),
-                                 pytest.param(2, 1, marks=pytest.mark.slow), (2, 2)])  # (1, 4), (2, 1): long tier
+@pytest.mark.parametrize("R,T", [pytest.param(1, 2, marks=pytest.mark.slow), pytest.param(1, 4, marks=pytest.mark.slow),
+                                 pytest.param(2, 1, marks=pytest.mark.slow), (2, 2)])  # all but 2 x 2: long tier
 def test_split_sharded_bitwise(R, T):
     """Column-parallel (partition_dim 0) shards over TP and remat: the home assembles the fused matrix, splits it,
     orthogonalizes the parts and scatters the result; each rank scales its rows by their part's lr ratio."""

@@ -23,7 +23,7 @@ from typing import Any
 from overlap_muon.apps.time_model import spawn_seconds
 
 from . import balance, choice, comm, memory, ns, overhead, overlap, peers, step, surplus
-from .budget import quick_summary
+from .budget import QUICK_MODEL, quick_summary
 from .common import _Options, _two_thread_speedup, machine_info, matmul_gflops, quiet_split_log, slow_bf16
 
 __all__ = ["main", "CASES", "CASE_MODULES", "expected_ratio_keys", "machine_info"]
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.py_spy:
         report["py_spy"] = _py_spy(o)
     report["elapsed_s"] = time.perf_counter() - t_all
-    if o.quick and not failed:
+    if o.quick and not failed and set(QUICK_MODEL) <= set(names):  # the model's figures are for the whole run
         line, report["time_model"] = quick_summary({n: report["cases"][n]["elapsed_s"] for n in names},
                                                    dict(rates, spawn=spawn_seconds()))
     with contextlib.suppress(OSError):

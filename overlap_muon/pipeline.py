@@ -374,6 +374,14 @@ class WavePipeline:
         if error is not None:
             raise error
 
+    def retire(self) -> None:
+        """A new plan replaces the waves: the committed states leave their wave indices and wait for their last
+        tasks as orphans (released by :meth:`reap` once done; no host wait, so none on CUDA either)."""
+        with self._lock:
+            applied, self._applied = list(self._applied.values()), {}
+            for st in applied:
+                self._orphan(st)
+
     def has_pending(self) -> bool:
         """Some wave has been launched this step and not committed."""
         with self._lock:

@@ -348,10 +348,15 @@ class Runtime:
 
     def _set_overlap(self, on: bool) -> None:
         """Switch between launching the waves in backward (``on``) and the synchronous step (its plan, inline
-        lanes); every committed update lands first."""
+        lanes). CPU: every task of the old plan finishes first (a discarded wave's exchange may still be running on
+        a lane thread, and the next collectives must follow it on every rank). CUDA: its committed waves finish as
+        they are (``WavePipeline.retire``: no host wait; every collective is enqueued from this thread, in order)."""
         if on == self.config.overlap:
             return
-        self.pipeline.synchronize()
+        if self.pipeline.lanes.cuda:
+            self.pipeline.retire()
+        else:
+            self.pipeline.synchronize()
         self.config = dataclasses.replace(self.config, overlap=on)
         self.pipeline.lanes.inline = not on
         self.plan_waves(self.order)

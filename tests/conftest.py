@@ -75,7 +75,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     durations = _durations
     from overlap_muon.apps.time_model import spawn_seconds
 
-    rates = dict(rates, spawn=spawn_seconds(3 if len(_durations) > 100 else 1))  # now that no test loads the machine
+    rates = dict(rates, spawn=spawn_seconds(5 if len(_durations) > 100 else 1))  # now that no test loads the machine
     log = config.getoption("--time-log")
     if log:
         import json

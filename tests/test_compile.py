@@ -108,7 +108,8 @@ def _train(how: str, overlap: bool, steps: int = 4, fsdp_mesh=None, rank: int = 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["block_method", pytest.param("block_wrap", marks=pytest.mark.slow), "whole_wrap",
+@pytest.mark.parametrize("how", ["block_method", pytest.param("block_wrap", marks=pytest.mark.slow),
+                                 pytest.param("whole_wrap", marks=pytest.mark.slow),
                                  pytest.param("whole_method", marks=pytest.mark.slow), "block_graph_break"])
 def test_compiled_overlap_equals_overlap_off_world1(how):
     """Bug: with blocks compiled ``fullgraph=True`` step 2's forward raised ``torch._dynamo.exc.Unsupported`` (the

@@ -45,8 +45,8 @@ def test_hf_trainer_example(ranks, route):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
-def test_lightning_example(ranks):
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_lightning_example(ranks):  # the long tier: Lightning's default-tier tests are in test_lightning.py
     """One process, and ``strategy="ddp"`` on 2 ranks under torchrun (Lightning sees torchrun's variables and launches
     nothing): no wave re-runs (``tests/test_lightning.py`` holds the bitwise comparison)."""
     pytest.importorskip("lightning")

@@ -25,18 +25,18 @@ __all__ = ["SLOWEST", "spawn_seconds", "predict", "fit"]
 
 #: The rates of the slowest CPU we know, a 2-core AMD EPYC with AVX2 only: one-thread matmul GFLOP/s as measured
 #: there, and its interpreter start as inferred from its run of the test suite (docs/results.md, "Time models").
-SLOWEST = {"bf16": 1.5, "fp32": 21.0, "spawn": 2.4}
+SLOWEST = {"bf16": 1.5, "fp32": 21.0, "spawn": 2.1}
 
 
-def spawn_seconds(rounds: int = 3) -> float:
-    """Seconds to start this Python and import ``torch`` and ``torch.distributed`` in a new process (the median of
-    ``rounds``; measure it on a quiet machine: the model's rates are those of one)."""
+def spawn_seconds(rounds: int = 5) -> float:
+    """Seconds to start this Python and import ``torch`` and ``torch.distributed`` in a new process: the fastest of
+    ``rounds`` (the machine's own speed; a busy neighbour only ever slows a round). Measure it on a quiet machine."""
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import torch, torch.distributed"], check=True)
         times.append(time.perf_counter() - t0)
-    return sorted(times)[rounds // 2]
+    return min(times)
 
 
 def predict(model: dict[str, list[float]], measured: dict[str, float], here: dict[str, float],
@@ -60,8 +60,12 @@ def predict(model: dict[str, list[float]], measured: dict[str, float], here: dic
     return total, unknown
 
 
+#: How far a rate must vary between a part's runs (largest over smallest) for its work to be fitted.
+_SPREAD = 1.5
+
+
 def _nnls3(a: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Least squares ``a @ x ~ t`` with ``x >= 0`` for three unknowns (every subset of columns tried)."""
+    """Least squares ``a @ x ~ t`` with ``x >= 0`` for up to three unknowns (every subset of columns tried)."""
     best, best_err = np.zeros(a.shape[1]), float(np.sum(t ** 2))
     for k in range(1, a.shape[1] + 1):
         for cols in itertools.combinations(range(a.shape[1]), k):
@@ -78,18 +82,20 @@ def _nnls3(a: np.ndarray, t: np.ndarray) -> np.ndarray:
 def fit(runs: list[dict]) -> dict[str, list[float]]:
     """Per part, the ``[spawns, bf16_gflop, fp32_gflop]`` that best explain its durations in ``runs`` (each
     ``{"rates": {"bf16", "fp32", "spawn"}, "durations": {name: seconds}}``, e.g. a ``--time-log`` file). A part
-    missing from some runs (a test moved to the long tier where bf16 is slow) is fitted on the runs it is in: with
-    one, all of its time is interpreter starts."""
+    missing from some runs (a test moved to the long tier where bf16 is slow) is fitted on the runs it is in, and
+    a rate that varies less than 1.5-fold across those runs gets no work (with one run, all of its time is
+    interpreter starts)."""
     nodes = sorted(set().union(*(r["durations"] for r in runs)))
     out = {}
     for node in nodes:
         rows = [(r["rates"]["spawn"], 1.0 / r["rates"]["bf16"], 1.0 / r["rates"]["fp32"], r["durations"][node])
                 for r in runs if node in r["durations"]]
         arr = np.array(rows)
-        if len(rows) == 1:
-            x = np.array([arr[0, 3] / arr[0, 0], 0.0, 0.0])
-        else:
-            x = _nnls3(arr[:, :3], arr[:, 3])
+        # A rate that barely differs between this part's runs cannot be told from the interpreter starts: its
+        # column would only fit the noise (and the slowest CPU's low rates would magnify it).
+        keep = [0] + [c for c in (1, 2) if arr[:, c].max() >= _SPREAD * arr[:, c].min()]
+        x = np.zeros(3)
+        x[keep] = _nnls3(arr[:, keep], arr[:, 3])
         out[node] = [round(float(v), 4) for v in x]
     return out
 

@@ -32,15 +32,18 @@ QUICK_MODEL: dict[str, list[float]] = {
 }
 
 
-def quick_summary(elapsed: dict[str, float], rates: dict[str, float]) -> tuple[str, dict[str, Any]]:
-    """One line (and its figures) comparing the measured ``elapsed`` (``{case: seconds}``) with the model at
-    ``rates`` (``bf16``, ``fp32``, ``spawn``), and the model's total on the slowest CPU with its budget."""
+def quick_summary(elapsed: dict[str, float], rates: dict[str, float], small: bool) -> tuple[str, dict[str, Any]]:
+    """One line (and its figures): the model's total on the slowest CPU with its budget and, for a ``small`` run
+    (the one the model is of), the measured ``elapsed`` (``{case: seconds}``) beside the model at ``rates``
+    (``bf16``, ``fp32``, ``spawn``)."""
     here, unknown = predict(QUICK_MODEL, elapsed, rates, rates)
     slowest, _ = predict(QUICK_MODEL, elapsed, rates, SLOWEST)
     got = sum(elapsed.values())
+    there = (f"on the slowest CPU we know (bf16 {SLOWEST['bf16']}, fp32 {SLOWEST['fp32']:.0f}, start "
+             f"{SLOWEST['spawn']:.1f} s, --small) it says {slowest:.0f} s (budget {QUICK_BUDGET_S:.0f} s)")
     line = (f"time model (overlap_muon/apps/bench/budget.py): the cases took {got:.0f} s here (matmul bf16 "
-            f"{rates['bf16']:.1f}, fp32 {rates['fp32']:.1f} GFLOP/s, interpreter start {rates['spawn']:.2f} s), the "
-            f"model says {here:.0f} s; on the slowest CPU we know (bf16 {SLOWEST['bf16']}, fp32 {SLOWEST['fp32']:.0f}, "
-            f"start {SLOWEST['spawn']:.1f} s) it says {slowest:.0f} s (budget {QUICK_BUDGET_S:.0f} s)"
+            f"{rates['bf16']:.1f}, fp32 {rates['fp32']:.1f} GFLOP/s, interpreter start {rates['spawn']:.2f} s), "
+            + (f"the model says {here:.0f} s; " if small else "without --small, which the model is of; ") + there
             + (f"; {unknown} cases unknown to it" if unknown else ""))
-    return line, {"measured_s": got, "model_here_s": here, "model_slowest_s": slowest, "unknown_cases": unknown}
+    return line, {"measured_s": got, "model_here_s": here if small else None, "model_slowest_s": slowest,
+                  "unknown_cases": unknown}

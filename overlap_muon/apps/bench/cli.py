@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     report["elapsed_s"] = time.perf_counter() - t_all
     if o.quick and not failed and set(QUICK_MODEL) <= set(names):  # the model's figures are for the whole run
         line, report["time_model"] = quick_summary({n: report["cases"][n]["elapsed_s"] for n in names},
-                                                   dict(rates, spawn=spawn_seconds()))
+                                                   dict(rates, spawn=spawn_seconds(3)), o.small)
     with contextlib.suppress(OSError):
         info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"\n{'ratio':<52}{'value':>10}")

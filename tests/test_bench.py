@@ -259,3 +259,17 @@ def test_time_model_recovers_known_parts_and_predicts():
     there = {"bf16": 1.5, "fp32": 21.0, "spawn": 2.7}
     total, unknown = predict(model, dict(run(rates[0]), d=3.0), rates[0], there)
     assert unknown == 1 and total == pytest.approx(sum(run(there).values()) + 3.0 * 2.7 / 1.5, rel=1e-3)
+
+
+def test_quick_time_model_is_within_budget_on_the_slowest_cpu():
+    """The ``--quick`` model's total on the slowest CPU we know is within the quick run's budget; a run without
+    ``--small`` is not compared with it (the model is of ``--small`` runs)."""
+    from overlap_muon.apps.bench.budget import QUICK_BUDGET_S, QUICK_MODEL, quick_summary
+
+    elapsed = {k: 1.0 for k in QUICK_MODEL}
+    rates = {"bf16": 400.0, "fp32": 90.0, "spawn": 1.3}
+    line, fig = quick_summary(elapsed, rates, small=True)
+    assert fig["model_slowest_s"] <= QUICK_BUDGET_S and f"budget {QUICK_BUDGET_S:.0f} s" in line
+    assert set(QUICK_MODEL) == set(cli.CASES) - set(cli.NOT_QUICK)
+    _, fig = quick_summary(elapsed, rates, small=False)
+    assert fig["model_here_s"] is None

@@ -31,7 +31,8 @@ TRIAL = 5
 
 
 class OverlapChoice:
-    """The trial's schedule and clock; the runtime switches the mode it says (:meth:`stepped`).
+    """The trial's schedule and clock; the runtime switches to the mode it says (:meth:`mode_for_next`) and agrees
+    on its :meth:`medians`.
 
     Args:
         event: CUDA: returns a timing event recorded now on the current stream (``Lanes.current_stream_event``);
@@ -47,8 +48,8 @@ class OverlapChoice:
         return self.event() if self.event is not None else time.perf_counter()
 
     def mode_for_next(self) -> bool | None:
-        """After a step ended: the overlap the next iteration runs with during the trial (``None``: the trial is
-        over, or its times are not readable yet)."""
+        """After a step ended: mark its end, and say the overlap the next iteration runs with during the trial
+        (``None``: every trial iteration has been marked)."""
         if self.result is not None or len(self.marks) > 2 * TRIAL:
             return None
         self.marks.append(self._mark())

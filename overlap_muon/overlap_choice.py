@@ -6,8 +6,9 @@ pays where the lanes have something to hide in: a GPU, whose side streams run be
 cost where they have not: two ranks on two cores, or a CPU without native bf16, where NS is several times
 backward and the lane threads only compete with it for the cores. ``auto_overlap=True`` measures instead of
 guessing: after one untimed step, :data:`TRIAL` iterations run with the overlap on and :data:`TRIAL` with it off
-(the runtime's synchronous plan: one wave, lanes inline), each timed from the end of one ``step()`` to the end of
-the next (forward, backward and step: the whole iteration). The medians are agreed across ranks (the largest of
+(the runtime's synchronous plan: one wave, lanes inline; the first iteration after the switch, which builds the
+new plan's routes, is not timed), each timed from the end of one ``step()`` to the end of the next (forward,
+backward and step: the whole iteration). The medians are agreed across ranks (the largest of
 each, on the runtime's gloo group: the slowest rank sets the pace), the faster mode is kept for the rest of the
 run, and the choice and both times are logged once and kept in ``stats`` (``overlap_auto_on_us``,
 ``overlap_auto_off_us``, ``overlap_auto_chose_on``).
@@ -50,15 +51,19 @@ class OverlapChoice:
     def mode_for_next(self) -> bool | None:
         """After a step ended: mark its end, and say the overlap the next iteration runs with during the trial
         (``None``: every trial iteration has been marked)."""
-        if self.result is not None or len(self.marks) > 2 * TRIAL:
+        if self.result is not None or self.complete():
             return None
         self.marks.append(self._mark())
-        return len(self.marks) <= TRIAL  # iterations 1..TRIAL on, then TRIAL off
+        return len(self.marks) <= TRIAL  # iterations 1..TRIAL on, then 1 + TRIAL off
+
+    def complete(self) -> bool:
+        """Every trial iteration has been marked (the medians may still wait for CUDA events)."""
+        return len(self.marks) >= 2 * TRIAL + 2
 
     def medians(self) -> tuple[float, float] | None:
         """This rank's median iteration seconds with the overlap (on, off), once every trial iteration is timed and
         readable (CUDA: every event completed; no sync), else ``None``."""
-        if self.result is not None or len(self.marks) <= 2 * TRIAL:
+        if self.result is not None or not self.complete():
             return None
         if self.cuda:
             if not all(e.query() for e in self.marks):
@@ -66,4 +71,4 @@ class OverlapChoice:
             gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
         else:
             gaps = [b - a for a, b in zip(self.marks, self.marks[1:])]
-        return statistics.median(gaps[:TRIAL]), statistics.median(gaps[TRIAL:2 * TRIAL])
+        return statistics.median(gaps[:TRIAL]), statistics.median(gaps[TRIAL + 1:])

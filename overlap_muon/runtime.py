@@ -321,7 +321,7 @@ class Runtime:
         trial = self.choice.mode_for_next()
         if trial is not None:
             self._set_overlap(trial)
-        if len(self.choice.marks) <= 2 * TRIAL or self.choice.result is not None:
+        if not self.choice.complete() or self.choice.result is not None:
             return
         mine = self.choice.medians()
         times = torch.tensor([1.0, 0.0, 0.0] if mine is None else [0.0, *mine], dtype=torch.float64)

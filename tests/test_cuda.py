@@ -90,7 +90,7 @@ def test_backward_captured_in_a_cuda_graph_launches_in_step():
 
 
 def test_auto_overlap_decides_on_cuda_events_and_stays_exact():
-    """[Note: overlap where it pays]: the trial times with CUDA events (no host sync), decides after 11 steps, and
+    """[Note: overlap where it pays]: the trial times with CUDA events (no host sync), decides after 12 steps, and
     every step stays torch.optim.Muon."""
     ours, ref = _train(overlap=True, steps=16, auto_overlap=True)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))

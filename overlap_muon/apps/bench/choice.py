@@ -58,8 +58,8 @@ def _choice_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds
         opt.synchronize()
         return (time.perf_counter() - t0) / n
 
-    for name in variants:  # warm-up; auto_overlap's trial (its first 2 * TRIAL + 1 steps) ends inside it
-        run_chunk(name, 2 * TRIAL + 2 if name == "auto" else 1)
+    for name in variants:  # warm-up; auto_overlap's trial (its first 2 * TRIAL + 2 steps) ends inside it
+        run_chunk(name, 2 * TRIAL + 3 if name == "auto" else 1)
     ns0 = {n: (o.stats["ns_matrices"], o.stats["steps"]) for n, (_, o) in variants.items()}
     times: dict[str, list[float]] = {n: [] for n in variants}
     names = list(variants)

@@ -46,7 +46,7 @@ CASE_MODULES: dict[str, ModuleType] = {
 CASES: tuple[str, ...] = tuple(CASE_MODULES)
 
 #: Cases a ``--quick`` run leaves out unless named, to stay within its budget on a CPU without native bf16
-#: (``budget.py``): ``choice`` times ``auto_overlap`` after its trial (12 steps per world before it measures),
+#: (``budget.py``): ``choice`` times ``auto_overlap`` after its trial (13 steps per world before it measures),
 #: ``peers`` runs torchtitan's DistMuon beside us (a third of the quick run's bf16 NS there).
 NOT_QUICK: tuple[str, ...] = ("choice", "peers")
 

@@ -39,8 +39,13 @@ def _tiny_llama():
 def _fit(model: nn.Module, opt: torch.optim.Optimizer | None, max_grad_norm: float, callback: bool,
          factory: dict | None = None, accumulate: int = 1):
     """``Trainer.train()`` for STEPS steps (Trainer's default linear lr decay, no checkpoints), with ``opt`` or, given
-    ``factory`` (OverlapMuon's keyword arguments), Trainer's factory route; returns the trainer."""
-    from transformers import Trainer, TrainingArguments
+    ``factory`` (OverlapMuon's keyword arguments), Trainer's factory route; returns the trainer, whose
+    ``snapshots`` are the model's params after every step."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Snapshots(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            trainer.snapshots.append([local(p).detach().clone() for p in model.parameters()])
 
     from overlap_muon.hf import OverlapMuonFactory
 
@@ -53,6 +58,8 @@ def _fit(model: nn.Module, opt: torch.optim.Optimizer | None, max_grad_norm: flo
     route = dict(optimizers=(opt, None)) if factory is None else dict(optimizer_cls_and_kwargs=(OverlapMuonFactory,
                                                                                                  factory))
     trainer = Trainer(model=model, args=args, train_dataset=ds, **route)
+    trainer.snapshots = []
+    trainer.add_callback(Snapshots())
     if callback:
         from overlap_muon.hf import OverlapMuonCallback
 
@@ -91,12 +98,16 @@ def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory
     muon_names = set(opt.muon_param_names)
     bit = sum(h["grad_norm"] + 1e-6 > max_grad_norm > 0 for h in trainer.state.log_history if "grad_norm" in h)
     named = dict(ref.named_parameters())
-    _fit(ref, MuonAdamW([named[n] for n in named if n in muon_names],
-                         [named[n] for n in named if n not in muon_names]), max_grad_norm, False,
-         accumulate=accumulate)
+    ref_trainer = _fit(ref, MuonAdamW([named[n] for n in named if n in muon_names],
+                                      [named[n] for n in named if n not in muon_names]), max_grad_norm, False,
+                       accumulate=accumulate)
     opt.synchronize()
     bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters())
            if not torch.equal(local(p).detach(), local(q).detach())]
+    bad += [f"step {s + 1}" for s, (a, b) in enumerate(zip(trainer.snapshots, ref_trainer.snapshots))
+            if not all(torch.equal(x, y) for x, y in zip(a, b))]
+    if len(trainer.snapshots) != STEPS or len(ref_trainer.snapshots) != STEPS:
+        bad.append(f"{len(trainer.snapshots)} and {len(ref_trainer.snapshots)} snapshots, expected {STEPS}")
     reruns, waves = opt.stats["reruns"], len(opt.waves)
     ns = (opt.stats["ns_matrices"], len(muon_names))
     opt.close()

@@ -36,13 +36,23 @@ class Lit(L.LightningModule):
         return self.make_opt(self)
 
 
+class _Snapshots(L.Callback):
+    """The module's params after every optimizer step (``model.snapshots``)."""
+
+    def on_train_batch_end(self, trainer, pl_module, *_):
+        if trainer.global_step > len(pl_module.snapshots):
+            pl_module.snapshots.append([p.detach().clone() for p in pl_module.parameters()])
+
+
 def _fit(make_opt, world: int, callbacks: list, trainer_kw: dict):
     """``Trainer.fit`` of a small module for STEPS steps; ``make_opt(module)`` is its ``configure_optimizers``,
-    ``trainer_kw`` more of ``Trainer``'s arguments."""
+    ``trainer_kw`` more of ``Trainer``'s arguments; the module keeps its params after every step (``snapshots``)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     data = TensorDataset(torch.randn(64, 16, generator=torch.Generator().manual_seed(1)))
     model = Lit(make_opt)
+    model.snapshots = []
+    callbacks = [*callbacks, _Snapshots()]
     trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=world, num_nodes=1,
                         strategy="ddp" if world > 1 else "auto", callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -67,6 +77,10 @@ def _lightning_body(rank, world, trainer_kw):
                                    [p for n, p in m.named_parameters() if n not in names]), world, [], trainer_kw)
     opt.synchronize()
     bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p, q)]
+    bad += [f"step {s + 1}" for s, (a, b) in enumerate(zip(model.snapshots, ref.snapshots))
+            if not all(torch.equal(x, y) for x, y in zip(a, b))]
+    if len(model.snapshots) != STEPS or len(ref.snapshots) != STEPS:
+        bad.append(f"{len(model.snapshots)} and {len(ref.snapshots)} snapshots, expected {STEPS}")
     reruns, waves, ns = opt.stats["reruns"], len(opt.waves), opt.stats["ns_matrices"]
     opt.close()
     return bad, reruns, waves, ns, len(names)

@@ -18,8 +18,7 @@ import itertools
 import subprocess
 import sys
 import time
-
-import numpy as np
+from typing import Any
 
 __all__ = ["SLOWEST", "spawn_seconds", "predict", "fit"]
 
@@ -64,8 +63,11 @@ def predict(model: dict[str, list[float]], measured: dict[str, float], here: dic
 _SPREAD = 1.5
 
 
-def _nnls3(a: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Least squares ``a @ x ~ t`` with ``x >= 0`` for up to three unknowns (every subset of columns tried)."""
+def _nnls3(a: Any, t: Any) -> Any:
+    """Least squares ``a @ x ~ t`` with ``x >= 0`` for up to three unknowns (every subset of columns tried; numpy
+    arrays)."""
+    import numpy as np  # only fitting needs it (predicting does not: the bench and the suite's summary)
+
     best, best_err = np.zeros(a.shape[1]), float(np.sum(t ** 2))
     for k in range(1, a.shape[1] + 1):
         for cols in itertools.combinations(range(a.shape[1]), k):
@@ -85,6 +87,8 @@ def fit(runs: list[dict]) -> dict[str, list[float]]:
     missing from some runs (a test moved to the long tier where bf16 is slow) is fitted on the runs it is in, and
     a rate that varies less than 1.5-fold across those runs gets no work (with one run, all of its time is
     interpreter starts)."""
+    import numpy as np
+
     nodes = sorted(set().union(*(r["durations"] for r in runs)))
     out = {}
     for node in nodes:

@@ -41,7 +41,7 @@ class OverlapChoice:
     """
 
     def __init__(self, event: Callable[[], Any] | None) -> None:
-        self.event, self.cuda = event, event is not None
+        self.event = event
         self.marks: list[Any] = []  # the end of each step from the first on: a host time or a CUDA event
         self.result: tuple[float, float] | None = None  # agreed median seconds (on, off), once decided
 
@@ -65,7 +65,7 @@ class OverlapChoice:
         readable (CUDA: every event completed; no sync), else ``None``."""
         if self.result is not None or not self.complete():
             return None
-        if self.cuda:
+        if self.event is not None:
             if not all(e.query() for e in self.marks):
                 return None
             gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]

@@ -177,6 +177,7 @@ class BackwardCount:
         return self._seen + 1 < self.expected
 
     def backward_ended(self) -> None:
+        """A backward pass of this step ended (the gradient-ready hooks' end-of-backward callback)."""
         self._seen += 1
 
     def stepped(self) -> None:

@@ -245,6 +245,16 @@ def fully_shard_tiny(model: TinyNet, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def snapshot_mismatches(ours: list[list[torch.Tensor]], ref: list[list[torch.Tensor]], steps: int) -> list[str]:
+    """The steps after which two runs' param snapshots (one list of tensors per step) differ, and a line if either
+    run does not have ``steps`` snapshots."""
+    bad = [f"step {s + 1}" for s, (a, b) in enumerate(zip(ours, ref))
+           if not all(torch.equal(x, y) for x, y in zip(a, b))]
+    if len(ours) != steps or len(ref) != steps:
+        bad.append(f"{len(ours)} and {len(ref)} snapshots, expected {steps}")
+    return bad
+
+
 def full_mismatches(model: nn.Module, ref: nn.Module) -> list[str]:
     """Names of ``model``'s params whose full tensors (``full_tensor()`` of a DTensor; collective) differ from
     ``ref``'s, compared with ``torch.equal``."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, HP, MuonAdamW, local
+from tests.models import ADAMW_KW, HP, MuonAdamW, local, snapshot_mismatches
 
 pytest.importorskip("transformers", reason="the tests drive transformers' own Trainer")
 pytest.importorskip("accelerate", reason="transformers' Trainer runs on Accelerate")
@@ -104,10 +104,7 @@ def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory
     opt.synchronize()
     bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters())
            if not torch.equal(local(p).detach(), local(q).detach())]
-    bad += [f"step {s + 1}" for s, (a, b) in enumerate(zip(trainer.snapshots, ref_trainer.snapshots))
-            if not all(torch.equal(x, y) for x, y in zip(a, b))]
-    if len(trainer.snapshots) != STEPS or len(ref_trainer.snapshots) != STEPS:
-        bad.append(f"{len(trainer.snapshots)} and {len(ref_trainer.snapshots)} snapshots, expected {STEPS}")
+    bad += snapshot_mismatches(trainer.snapshots, ref_trainer.snapshots, STEPS)
     reruns, waves = opt.stats["reruns"], len(opt.waves)
     ns = (opt.stats["ns_matrices"], len(muon_names))
     opt.close()

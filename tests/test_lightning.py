@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tests.dist_utils import run_ranks
-from tests.models import ADAMW_KW, HP, Deep, MuonAdamW
+from tests.models import ADAMW_KW, HP, Deep, MuonAdamW, snapshot_mismatches
 
 L = pytest.importorskip("lightning", reason="the tests drive Lightning's own Trainer")
 
@@ -77,10 +77,7 @@ def _lightning_body(rank, world, trainer_kw):
                                    [p for n, p in m.named_parameters() if n not in names]), world, [], trainer_kw)
     opt.synchronize()
     bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters()) if not torch.equal(p, q)]
-    bad += [f"step {s + 1}" for s, (a, b) in enumerate(zip(model.snapshots, ref.snapshots))
-            if not all(torch.equal(x, y) for x, y in zip(a, b))]
-    if len(model.snapshots) != STEPS or len(ref.snapshots) != STEPS:
-        bad.append(f"{len(model.snapshots)} and {len(ref.snapshots)} snapshots, expected {STEPS}")
+    bad += snapshot_mismatches(model.snapshots, ref.snapshots, STEPS)
     reruns, waves, ns = opt.stats["reruns"], len(opt.waves), opt.stats["ns_matrices"]
     opt.close()
     return bad, reruns, waves, ns, len(names)

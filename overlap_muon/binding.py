@@ -28,9 +28,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from . import builder
+from .comm import warm_up
 from .config import OverlapMuonConfig
 from .domain import Domain
 from .hooks import ParamOwners, weak_callback
+from .placement import local_tensor
 from .runtime import Runtime
 
 __all__ = ["ParamBinding"]
@@ -87,6 +89,9 @@ class ParamBinding:
         opt = self._opt()
         self.muon = placed.muon
         comm = builder.make_groups(placed, self.config, self.rank)
+        if self.config.warm_up:  # [Note: warm-up] in comm.py
+            device = local_tensor(placed.muon[0].param).device if placed.muon else "cpu"
+            opt.stats["warm_up_collectives"] += warm_up(comm, device)
         self.domain, self.expert_domain = comm.dom_to, comm.expert[0] if comm.expert else Domain.single()
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         ref = weakref.ref(opt)

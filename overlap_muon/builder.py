@@ -17,6 +17,7 @@ ranks after it is made (``checks.check_plan_everywhere``).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checks import differs_across_ranks, option_errors, raise_everywhere
-from .comm import CommContext, build_comm, stage_group, stage_replicas
+from .comm import CommContext, build_comm, node_spans, stage_group, stage_replicas
 from .config import OverlapMuonConfig
 from .discovery import discover_expert_layouts, discover_layouts, discover_stages, mesh_dims, my_coords
 from .placement import MuonParam
@@ -322,7 +323,25 @@ def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommConte
         warn_user(f"OverlapMuon: surplus={config.surplus!r} is not combined with DP slots yet; the waves "
                       "run as surplus='idle' (the replicas still share the NS work)")
     return build_comm(p.layouts, p.elayouts, rank, timeout_s=config.pg_timeout_s, dp_slots=dp_on,
-                      team=not dp_on and config.surplus in ("team", "auto"), experts=p.has_experts, stages=p.stages)
+                      team=not dp_on and config.surplus in ("team", "auto"), experts=p.has_experts, stages=p.stages,
+                      node_size=node_size(p.layouts if distributed else None, config))
+
+
+def node_size(layouts: list[list[list[int]]] | None, config: OverlapMuonConfig) -> int | None:
+    """The global ranks per node for the dense domain's two-hop exchanges (``config.node_exchange``; [Note:
+    node-aware exchange] in ``domain.py``), or ``None`` for flat ones: ``"off"``, no fused layer-sharded
+    exchanges, no node size (``node_size`` or ``LOCAL_WORLD_SIZE``), or no domain that spans nodes evenly (which
+    ``"on"`` says). The simulator finds two hops faster wherever the domain spans nodes (docs/results.md, "Nodes at
+    scale"), so ``"auto"`` takes them there too."""
+    if layouts is None or config.node_exchange == "off" or not config.fused_a2a or config.mode != "layer_sharded":
+        return None
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    size = config.node_size or (int(local) if local.isdigit() and int(local) > 0 else None)
+    spans = [node_spans([r for row in lay for r in row], size) for lay in layouts] if size else []
+    if config.node_exchange == "on" and not any(spans):
+        warn_user(f"OverlapMuon: node_exchange='on' but no domain spans nodes evenly (node size {size}: pass "
+                  "node_size= or set LOCAL_WORLD_SIZE); the exchanges run flat")
+    return size if any(spans) else None
 
 
 def qk_clipper(spec: Any, model: nn.Module, p: Placement, comm: CommContext, rank: int,
@@ -355,7 +374,8 @@ def ns_costs(muon: list[MuonParam], ns_steps: int, gram: bool = False) -> list[f
 
 
 def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: OverlapMuonConfig,
-         sizes: tuple[int, int], dp_size: int, cuda: bool) -> tuple[list[Wave], list[WavePlan]]:
+         sizes: tuple[int, int], dp_size: int, cuda: bool, per_node: int | None = None
+         ) -> tuple[list[Wave], list[WavePlan]]:
     """The waves (in launch order) and their frozen plans.
 
     Args:
@@ -364,16 +384,22 @@ def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: Ov
         dp_size: replicas sharing the dense domain's NS work (1: none).
         cuda: the lanes run on CUDA streams (``cost_model="auto"`` then weighs H200-class figures, else
             ``CPU_GLOO``'s).
+        per_node: the dense domain's ranks per node where its exchanges run in two hops: its homes then know
+            nodes ([Note: homes that know nodes] in ``scheduler/homes.py``; not with DP slots, whose homes
+            interleave replicas).
     """
     cfg = config
 
     def one(sub_order: list[int], members: list[int], d: int) -> list[Wave]:
         size = sizes[1] if d else sizes[0] * dp_size
         cs = [costs[i] for i in members]
+        nodes = per_node if d == 0 and dp_size == 1 else None
         if cfg.overlap and cfg.wave_slots is None and cfg.wave_plan == "cost":
-            return plan_waves_by_cost(sub_order, cs, [muon[i].full_shape for i in members], size, balance=cfg.balance)
+            return plan_waves_by_cost(sub_order, cs, [muon[i].full_shape for i in members], size, balance=cfg.balance,
+                                      node_size=nodes)
         slots = cfg.wave_slots or (size if cfg.overlap else len(members))
-        return plan_waves(sub_order, cs, size, wave_slots=slots, balance=cfg.balance, taper=cfg.overlap)
+        return plan_waves(sub_order, cs, size, wave_slots=slots, balance=cfg.balance, taper=cfg.overlap,
+                          node_size=nodes)
 
     waves = plan_by_domain(order, [m.domain for m in muon], one)
     plans = plan_kinds(waves, [m.full_shape for m in muon], list(sizes), mode=cfg.mode, surplus=cfg.surplus,

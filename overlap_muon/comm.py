@@ -13,13 +13,14 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .domain import Domain
+from .domain import Domain, NodeHops
 
 __all__ = ["CommContext", "build_comm", "domain_from_layouts", "domain_group", "DPSlots", "dp_slot_groups",
-           "stage_replicas"]
+           "stage_replicas", "node_spans", "node_hops", "warm_up"]
 
 
 def domain_from_layouts(
@@ -27,11 +28,14 @@ def domain_from_layouts(
     *,
     timeout: datetime.timedelta | None = None,
     with_ctrl: bool = True,
+    node_size: int | None = None,
 ) -> Domain:
     """Build this rank's domain given every domain's ``layout[g][t] = global rank`` (identical on all ranks).
 
     ``with_ctrl``: also give it a gloo ``ctrl_group`` for host-side flags (the flat group itself when the job's
     backend is gloo, else a new gloo group over the same ranks).
+    ``node_size``: global ranks per node; a domain that spans nodes with as many of its ranks on each gets the
+    node groups of two-hop exchanges (:func:`node_hops`).
 
     ``new_group`` is collective over the default group, so all ranks create all groups in one order.
 
@@ -80,6 +84,7 @@ def domain_from_layouts(
         make("flat", [r for row in layout for r in row])
         if gloo_ctrl:
             make("ctrl", [r for row in layout for r in row], backend="gloo")
+    nodes = node_hops(layouts, node_size, timeout) if node_size else None
     layout, g, t = mine
     R, T = len(layout), len(layout[0])
     return Domain(
@@ -92,7 +97,40 @@ def domain_from_layouts(
         flat_group=groups.get(("flat", tuple(r for row in layout for r in row))),
         ctrl_group=groups.get(("ctrl" if gloo_ctrl else "flat", tuple(r for row in layout for r in row)))
         if with_ctrl else None,
+        nodes=nodes,
     )
+
+
+def node_spans(flat: list[int], node_size: int) -> tuple[int, int] | None:
+    """``(L, N)``: ``flat`` (a domain's global ranks, ascending) lies ``L`` ranks to a node on ``N >= 2`` nodes of
+    ``node_size`` global ranks each (node ``r // node_size``); ``None`` if it lies on one node or unevenly."""
+    per: dict[int, int] = {}
+    for r in flat:
+        per[r // node_size] = per.get(r // node_size, 0) + 1
+    L = len(flat) // max(len(per), 1)
+    return (L, len(per)) if len(per) > 1 and all(c == L for c in per.values()) else None
+
+
+def node_hops(layouts: list[list[list[int]]], node_size: int, timeout: datetime.timedelta | None = None
+              ) -> NodeHops | None:
+    """This rank's :class:`~overlap_muon.domain.NodeHops` ([Note: node-aware exchange] in ``domain.py``): for every
+    domain of ``layouts`` that spans nodes evenly (:func:`node_spans`), a group per node over its ranks there and a
+    group per local index over the nodes. ``None`` where this rank's domain does not. Collective over the default
+    group: every rank creates every domain's groups, in one order."""
+    me, mine = dist.get_rank(), None
+    kw = {} if timeout is None else {"timeout": timeout}
+    for lay in layouts:
+        flat = [r for row in lay for r in row]
+        span = node_spans(flat, node_size)
+        if span is None:
+            continue
+        L, N = span
+        intra = [dist.new_group(ranks=flat[n * L:(n + 1) * L], **kw) if L > 1 else None for n in range(N)]
+        inter = [dist.new_group(ranks=flat[l::L], **kw) for l in range(L)]
+        if me in flat:
+            n, l = divmod(flat.index(me), L)
+            mine = NodeHops(L, N, intra[n], inter[l])
+    return mine
 
 
 def domain_group(layouts: list[list[list[int]]] | None, timeout: datetime.timedelta | None = None,
@@ -194,7 +232,7 @@ def stage_group(stages: list[list[int]] | None, rank: int, timeout_s: float) -> 
 
 def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[int]]] | None, rank: int, *,
                timeout_s: float, team: bool, dp_slots: bool, experts: bool,
-               stages: list[list[int]] | None = None) -> CommContext:
+               stages: list[list[int]] | None = None, node_size: int | None = None) -> CommContext:
     """Create every group of one optimizer. Collective over the default group.
 
     Args:
@@ -207,11 +245,14 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
         experts: make the expert domain's groups.
         stages: every pipeline stage's ranks ([Note: pipeline stages] in ``discovery.py``); ``step()``'s agreement
             group is this rank's stage (``None`` or one stage: every rank).
+        node_size: global ranks per node, for the dense domain's two-hop exchanges ([Note: node-aware exchange] in
+            ``domain.py``); ``None``: one flat ``all_to_all``.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     distributed = layouts is not None and dist.get_world_size() > 1
-    dom_to = domain_from_layouts(layouts, timeout=timeout) if distributed else Domain.single()
-    dom_from = domain_from_layouts(layouts, timeout=timeout, with_ctrl=False) if distributed else Domain.single()
+    dom_to = domain_from_layouts(layouts, timeout=timeout, node_size=node_size) if distributed else Domain.single()
+    dom_from = (domain_from_layouts(layouts, timeout=timeout, with_ctrl=False, node_size=node_size) if distributed
+                else Domain.single())
     experts_on = experts and elayouts is not None and dist.get_world_size() > 1
     ctrl = stage_group(stages, rank, timeout_s) if distributed or experts_on else None
     team_group = domain_group(layouts, timeout, backend=None) if distributed and team else None
@@ -226,3 +267,62 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
                   domain_from_layouts(elayouts, timeout=timeout, with_ctrl=False), domain_group(elayouts, timeout))
     root = next((s[0] for s in stages or () if rank in s), 0)
     return CommContext(dom_to, dom_from, ctrl, team_group, dp, expert, stages, root)
+
+
+def _groups_to_warm(ctx: CommContext) -> list[tuple[str, ProcessGroup, tuple[str, ...]]]:
+    """Every group of ``ctx`` once, with its (first) name and the collective kinds the runtime runs on it."""
+    out: list[tuple[str, ProcessGroup | None, tuple[str, ...]]] = []
+    doms = [("dense gather lane", ctx.dom_to), ("dense scatter lane", ctx.dom_from)]
+    if ctx.expert is not None:
+        doms += [("expert gather lane", ctx.expert[0]), ("expert scatter lane", ctx.expert[1])]
+        out.append(("expert presence", ctx.expert[2], ("all_to_all",)))
+    for lane, d in doms:
+        # With node hops the flat group's all_to_all serves team waves only: connecting it would undo the hops.
+        flat = ("all_to_all", "all_gather") if d.nodes is None or ctx.team is not None else ("all_gather",)
+        out += [(f"{lane} flat", d.flat_group, flat),
+                (f"{lane} remat", d.remat_group, ("all_to_all",)), (f"{lane} TP", d.tp_group, ("all_to_all",)),
+                (f"{lane} control", d.ctrl_group, ("all_to_all",))]
+        if d.nodes is not None:
+            out += [(f"{lane} node", d.nodes.intra_group, ("all_to_all",)),
+                    (f"{lane} across nodes", d.nodes.inter_group, ("all_to_all",))]
+    out += [("step agreement", ctx.ctrl, ("all_to_all",)), ("team NS", ctx.team, ("all_reduce", "all_gather")),
+            ("DP slots", ctx.dp.group if ctx.dp else None, ("all_to_all",))]
+    merged: dict[int, tuple[str, ProcessGroup, tuple[str, ...]]] = {}
+    for n, g, k in out:  # a group with two roles (gloo: the flat group is the control one) runs both kinds once
+        if g is not None:
+            name, _, kinds = merged.get(id(g), (n, g, ()))
+            merged[id(g)] = (name, g, kinds + tuple(x for x in k if x not in kinds))
+    return list(merged.values())
+
+
+def warm_up(ctx: CommContext, device: Any) -> int:
+    """[Note: warm-up] Run one small collective of each kind the runtime runs on each of its groups (``ctx``), at
+    construction, and return how many ran. NCCL sets a group up, and connects the peers of an ``all_to_all``, at
+    their first collective; without this that is the first exchange, launched from a backward hook at peak
+    activation memory, where users of distributed Muon report first-step hangs and out-of-memory errors. On gloo it
+    is cheap and exercises the same path. Collective over every rank of every group, in one order.
+
+    Raises:
+        RuntimeError: a collective failed; the message names the group, its global ranks and the kind.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    ran = 0
+    for name, group, kinds in _groups_to_warm(ctx):
+        n = dist.get_world_size(group)
+        dev = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(device)
+        for kind in kinds:
+            try:
+                if kind == "all_to_all":
+                    dist.all_to_all_single(torch.empty(n, dtype=torch.uint8, device=dev),
+                                           torch.zeros(n, dtype=torch.uint8, device=dev), group=group)
+                elif kind == "all_gather":
+                    gather(torch.empty(n, dtype=torch.uint8, device=dev), torch.zeros(1, dtype=torch.uint8,
+                                                                                      device=dev), group=group)
+                else:
+                    dist.all_reduce(torch.zeros(1, device=dev), group=group)
+            except Exception as e:
+                raise RuntimeError(f"OverlapMuon warm-up: {kind} over the runtime's {name} group (global ranks "
+                                   f"{dist.get_process_group_ranks(group)}, backend {dist.get_backend(group)}) "
+                                   f"failed on rank {dist.get_rank()}: {e}") from e
+            ran += 1
+    return ran

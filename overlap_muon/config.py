@@ -72,6 +72,18 @@ class OverlapMuonConfig:
     """Emit NVTX ranges beside ``torch.profiler.record_function`` (default: on when CUDA is available)."""
     pg_timeout_s: float = _opt(600.0, "OVERLAP_MUON_PG_TIMEOUT_S", kind=float)
     """Timeout of every process group the runtime creates, seconds."""
+    warm_up: bool = _opt(True, "OVERLAP_MUON_WARM_UP", kind=bool)
+    """At construction, run one small collective of each kind the runtime will run on each of its groups
+    ([Note: warm-up] in ``comm.py``): NCCL connects a group at its first collective, which would otherwise be the
+    first exchange, launched from a backward hook at peak activation memory. An error names the group."""
+    node_size: int | None = _opt(None, "OVERLAP_MUON_NODE_SIZE", kind=int)
+    """Global ranks per node (``None``: ``LOCAL_WORLD_SIZE``, which torchrun sets; without it, one node)."""
+    node_exchange: str = _opt("auto", "OVERLAP_MUON_NODE_EXCHANGE", choices=("auto", "on", "off"))
+    """Fused exchanges of a dense domain that spans nodes evenly run in two hops, within the node then across
+    ([Note: node-aware exchange] in ``domain.py``): at most ``(ranks per node - 1) + (nodes - 1)`` peers per rank
+    instead of every rank of the domain; the same bits. ``auto`` and ``on``: wherever the domain spans nodes
+    (``on`` warns where it does not); ``off``: one flat ``all_to_all``. Its homes then spread over nodes
+    ([Note: homes that know nodes] in ``scheduler/homes.py``)."""
     readiness_order: str = _opt("reverse", "OVERLAP_MUON_READINESS_ORDER", choices=("reverse", "observed"))
     """Wave order: ``reverse`` registration order, or ``observed`` (rank 0's first-step order, broadcast)."""
     learn_accumulation: bool = _opt(True, "OVERLAP_MUON_LEARN_ACCUMULATION", kind=bool)

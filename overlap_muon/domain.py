@@ -19,7 +19,24 @@ from dataclasses import dataclass, field
 
 from torch.distributed import ProcessGroup
 
-__all__ = ["Domain"]
+__all__ = ["Domain", "NodeHops"]
+
+
+@dataclass(frozen=True)
+class NodeHops:
+    """[Note: node-aware exchange] The groups of a domain that spans nodes, for exchanges in two hops.
+
+    The domain's ranks lie ``ranks_per_node`` (``L``) to a node on ``nodes`` (``N``) nodes, consecutive in flat
+    order: flat rank ``f`` is local index ``f % L`` of node ``f // L``. A fused exchange over the flat group makes
+    every rank a peer of up to ``L*N - 1`` others; in two hops (``layer_sharded_a2a/_nodes.py``) a rank sends
+    within its node to the node-mate with the destination's local index, which sends across nodes to the
+    destination: at most ``(L - 1) + (N - 1)`` peers, and the same bytes arrive in the same order.
+    """
+
+    ranks_per_node: int  #: L, the domain's ranks on each node
+    nodes: int  #: N >= 2, the nodes the domain spans
+    intra_group: ProcessGroup | None  #: this rank's node-mates in the domain (group rank = local index); None if L=1
+    inter_group: ProcessGroup  #: the domain's ranks with this rank's local index, one per node (group rank = node)
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,7 @@ class Domain:
     tp_group: ProcessGroup | None = None  #: own group of the T ranks sharing g; group rank == t
     flat_group: ProcessGroup | None = None  #: own group of all R*T ranks; group rank == g*T + t
     ctrl_group: ProcessGroup | None = None  #: gloo group of all R*T ranks, for host-side flags (never the device)
+    nodes: NodeHops | None = None  #: two-hop groups of fused exchanges over nodes (None: one flat all_to_all)
 
     size: int = field(init=False)  #: R * T, the number of NS homes
     flat_rank: int = field(init=False)  #: g*T + t

@@ -87,8 +87,9 @@ class OverlapMuon(torch.optim.Optimizer):
             the heads whose max attention logit (recorded by the model, ``qk_clip.record_max_logits``) exceeded
             ``tau`` are scaled down ([Note: QK-clip] in ``qk_clip.py``); ``stats["qk_clipped_heads"]`` counts them.
         mode, fused_a2a, batch_ns, balance, overlap, wave_plan, wave_slots, side_streams, nvtx, pg_timeout_s,
-            readiness_order, skip_nonfinite, syrk, gram_ns, check_grad_presence: options (``overlap_muon.config``);
-            ``None`` takes the environment variable or the default.
+            warm_up, node_size, node_exchange, readiness_order, skip_nonfinite, syrk, gram_ns,
+            check_grad_presence: options (``overlap_muon.config``); ``None`` takes the environment variable or the
+            default.
 
     Attributes:
         domain, expert_domain: this rank's :class:`~overlap_muon.domain.Domain` (``R x T``, coordinates ``g, t``)

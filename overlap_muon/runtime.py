@@ -92,6 +92,7 @@ class Runtime:
         self.async_step = config.overlap and config.async_step
         self.sizes = (comm.dom_to.size, comm.expert[0].size if comm.expert else 1)
         self.dp_size = comm.dp.size if comm.dp is not None else 1
+        self.per_node = comm.dom_to.nodes.ranks_per_node if comm.dom_to.nodes else None
         self.index = ParamIndex(muon)
         self.costs = builder.ns_costs(muon, ns_steps, config.gram_ns)
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
@@ -148,7 +149,7 @@ class Runtime:
         pipeline."""
         self.order = order
         self.waves, self.wave_plans = builder.plan(order, self.muon, self.costs, self.config, self.sizes,
-                                                   self.dp_size, self.pipeline.lanes.cuda)
+                                                   self.dp_size, self.pipeline.lanes.cuda, self.per_node)
         self.pipeline.set_plans(self.wave_plans)
         self.index.wave_of = {i: w.index for w in self.waves for i in w.params}
         self.dispatcher = WaveDispatcher(self.waves, self._launch)

@@ -31,24 +31,36 @@ def lpt_homes(
     costs: Sequence[float],
     num_ranks: int,
     initial_loads: Sequence[float] | None = None,
+    node_size: int | None = None,
 ) -> list[int]:
     """Longest Processing Time first: heaviest matrix to the least loaded rank.
 
     Items are taken in order of ``(-cost, index)``; each goes to the rank with the smallest
-    ``(load, rank)``, whose load then grows by the item's cost. Graham's bound: the max load is at most
+    ``(load, rank)``, whose load then grows by the item's cost.
+
+    [Note: homes that know nodes] With ``node_size`` (ranks ``[n*L, (n+1)*L)`` form node ``n``), ties of load are
+    broken by the load of the rank's node, then by the load of its local index ``rank % L`` over all nodes, then
+    by rank: ``(load, node load, local-index load, rank)``. The per-rank loads, and so every home's NS time, are
+    those of plain LPT (only ties move); what moves is where equal-load homes sit. Ties are the rule when a wave
+    has fewer matrices than ranks (every wave at a thousand ranks): plain LPT fills ranks ``0, 1, 2, ...``, so a
+    node-aware exchange (``layer_sharded_a2a/_nodes.py``) funnels every node's traffic through the first local
+    indices; the node-aware order places homes on a diagonal ``(node n, local n mod L)``, one per node and per
+    local index before any repeats. Where no loads tie (waves with more matrices than ranks) the homes are plain
+    LPT's. Graham's bound: the max load is at most
     ``4/3 - 1/(3*num_ranks)`` times the optimum (Graham, "Bounds on multiprocessing timing anomalies", 1969).
 
     Args:
         costs: per-item cost (any unit, e.g. FLOPs from :func:`scheduler.cost.ns_flops`), each finite, >= 0.
         num_ranks: number of home ranks, >= 1.
         initial_loads: per-rank load carried in (same unit as ``costs``), length ``num_ranks``; zeros if None.
+        node_size: ranks per node (the last node may be short); ``None``: ties go to the lowest rank.
 
     Returns:
         ``homes[i]`` in ``[0, num_ranks)`` for every item ``i``.
 
     Raises:
-        ValueError: a cost or initial load is negative or not finite, ``num_ranks < 1``, or ``initial_loads``
-            has the wrong length.
+        ValueError: a cost or initial load is negative or not finite, ``num_ranks < 1``, ``initial_loads``
+            has the wrong length, or ``node_size`` is not a positive int.
     """
     _check_num_ranks(num_ranks)
     costs = _check_costs(costs)
@@ -61,13 +73,23 @@ def lpt_homes(
         for r, x in enumerate(loads):
             if not math.isfinite(x) or x < 0:
                 raise ValueError(f"initial load of rank {r} is {x!r}; expected a finite number >= 0")
+    if node_size is not None:
+        _check_num_ranks(node_size)
+    L = node_size or num_ranks
+    by_node, by_local = [0.0] * -(-num_ranks // L), [0.0] * L
+    for j, x in enumerate(loads):
+        by_node[j // L] += x
+        by_local[j % L] += x
     homes = [0] * len(costs)
     # A linear scan for the least-loaded rank: O(items * ranks), fine for thousands x thousands, and the
-    # tie-break by rank is explicit.
+    # tie-break is explicit. Without node_size the node and local terms are the same for every rank.
     for i in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-        r = min(range(num_ranks), key=lambda j: (loads[j], j))
+        r = min(range(num_ranks), key=lambda j: (loads[j], by_node[j // L], by_local[j % L], j)
+                if node_size else (loads[j], j))
         homes[i] = r
         loads[r] += costs[i]
+        by_node[r // L] += costs[i]
+        by_local[r % L] += costs[i]
     return homes
 
 

@@ -64,6 +64,7 @@ def plan_waves(
     wave_slots: int | None = None,
     balance: str = "lpt",
     taper: bool = True,
+    node_size: int | None = None,
 ) -> list[Wave]:
     """Cut the params, in gradient-ready order, into waves and give each param an NS home.
 
@@ -90,6 +91,7 @@ def plan_waves(
         wave_slots: max params per wave, >= 1; ``None`` means ``num_ranks``.
         balance: ``"lpt"`` or ``"round_robin"``.
         taper: shrink the last two waves, see above.
+        node_size: LPT's ties go to the least-loaded node ([Note: homes that know nodes] in ``homes.py``).
 
     Returns:
         The waves in launch order; ``waves[k].index == k``. Empty when there are no params.
@@ -113,11 +115,11 @@ def plan_waves(
             f"entries {order[:16]}{'...' if len(order) > 16 else ''}"
         )
 
-    return _assign_homes(order, _wave_sizes(len(order), wave_slots, taper), costs, num_ranks, balance)
+    return _assign_homes(order, _wave_sizes(len(order), wave_slots, taper), costs, num_ranks, balance, node_size)
 
 
 def _assign_homes(order: list[int], sizes: Sequence[int], costs: Sequence[float], num_ranks: int,
-                  balance: str) -> list[Wave]:
+                  balance: str, node_size: int | None = None) -> list[Wave]:
     """Cut ``order`` into consecutive waves of ``sizes`` and give homes (see :func:`plan_waves`, "Homes")."""
     waves: list[Wave] = []
     loads = [0.0] * num_ranks
@@ -125,7 +127,7 @@ def _assign_homes(order: list[int], sizes: Sequence[int], costs: Sequence[float]
     for k, size in enumerate(sizes):
         params = tuple(order[pos : pos + size])
         if balance == "lpt":
-            local = lpt_homes([costs[i] for i in params], num_ranks, initial_loads=loads)
+            local = lpt_homes([costs[i] for i in params], num_ranks, initial_loads=loads, node_size=node_size)
         else:
             local = [(pos + j) % num_ranks for j in range(size)]
         for i, h in zip(params, local):
@@ -260,6 +262,7 @@ def plan_waves_by_cost(
     ready_s: Sequence[float] | None = None,
     balance: str = "lpt",
     max_wave_params: int | None = None,
+    node_size: int | None = None,
 ) -> list[Wave]:
     """Cut the params, in gradient-ready order, into waves sized by cost (not by count) and give each an NS home.
 
@@ -305,6 +308,7 @@ def plan_waves_by_cost(
         balance: ``"lpt"`` or ``"round_robin"`` (homes, as in :func:`plan_waves`).
         max_wave_params: at most this many params per wave, >= 1; ``None`` means ``max(64, 8 * num_ranks)``
             (bounds the planning time: ``O(len(order) * max_wave_params)``).
+        node_size: as for :func:`plan_waves`.
 
     Returns:
         The waves in launch order; ``waves[k].index == k``; their params, concatenated, are ``order``. Empty
@@ -409,4 +413,4 @@ def plan_waves_by_cost(
                 continue
         k += 1
     sizes_out = [b - a for a, b in zip(bounds, bounds[1:])]
-    return _assign_homes(order, sizes_out, costs, num_ranks, balance)
+    return _assign_homes(order, sizes_out, costs, num_ranks, balance, node_size)

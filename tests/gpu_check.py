@@ -1,9 +1,15 @@
-"""The GPU check in one prepared run: the CUDA tests, NS vs ``torch.bmm`` throughput, and the exposed optimizer
-fraction of a model big enough for NS to matter, written to one JSON file and printed as a table.
+"""The GPU check in one prepared run: the CUDA tests, NS vs ``torch.bmm`` throughput, the exposed optimizer
+fraction of a model big enough for NS to matter, and the scale checks one GPU can run, written to one JSON file and
+printed as a table.
+
+The scale checks (``scale_checks``): one GPU cannot show nodes. On two gloo ranks sharing the GPU it checks the
+warm-up over NCCL (rank 0's own groups, each a size-1 NCCL communicator that the warm-up connects: the collectives
+run and complete on the device), and the two-hop exchange's code on device tensors (as 2 nodes of 1: bitwise the
+fused exchange, one peer each). The hops across real nodes, and NCCL between ranks, need a multi-GPU machine.
 
 Usage (on a machine with a CUDA GPU): ``bash tests/gpu_check.sh`` (under 5 minutes on one H100/H200-class GPU).
-``python tests/gpu_check.py --device cpu --small`` runs the same code paths on tiny shapes (the CPU suite does,
-so the script is known to run before a GPU is at hand).
+``python tests/gpu_check.py --device cpu --small`` runs the same code paths on tiny shapes (the CPU suite does, so the
+script is known to run before a GPU is at hand).
 """
 
 from __future__ import annotations
@@ -175,6 +181,18 @@ def exposed_fraction(device: torch.device, layers: int, d: int, tokens: int, ite
     return out
 
 
+def scale_checks(device: torch.device) -> dict:
+    """The warm-up over the device's backend and the two-hop exchange on its tensors (``tests/test_nodes.py``)."""
+    from tests.dist_utils import run_ranks
+    from tests.test_nodes import scale_on_one_device
+
+    try:
+        ranks = run_ranks(scale_on_one_device, 2, str(device), timeout=120)
+    except AssertionError as e:
+        return {"error": str(e)[-2000:]}
+    return {"warm_up": ranks[0]["warm_up"], "node_exchange": [r["node_exchange"] for r in ranks]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -192,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ns"] = ns_vs_bmm(device, shapes, reps=2 if a.small else 10)
     layers, d, tokens, iters = (2, 64, 64, 1) if a.small else (12, 2048, 4096, 3)
     report["overlap"] = exposed_fraction(device, layers, d, tokens, iters, a.out)
+    report["scale"] = scale_checks(device)
     path = os.path.join(a.out, "gpu_check.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)
@@ -206,9 +225,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{ov['step_s']['off'] * 1e3:.1f} ms, on {ov['step_s']['on'] * 1e3:.1f} ms, async_step "
           f"{ov['step_s']['async'] * 1e3:.1f} ms -> exposed fraction {ov['exposed_fraction']} (default step, a "
           f"stream wait + set_post_optim_event), {ov['async_exposed_fraction']} (async_step)")
+    sc = report["scale"]
+    print(f"  scale: warm-up {sc['warm_up']}; two hops as 2 nodes of 1 {sc['node_exchange']}")
     print(f"  wrote {path}")
     tests = report.get("cuda_tests", {})
-    return 0 if a.skip_tests or tests.get("returncode") == 0 else 1
+    scale_ok = "error" not in sc and all(r["bitwise"] for r in sc["node_exchange"])
+    return 0 if scale_ok and (a.skip_tests or tests.get("returncode") == 0) else 1
 
 
 if __name__ == "__main__":

@@ -117,3 +117,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert len(report["ns"]) == 2 and report["overlap"]["step_s"]["on"] > 0
+    # the scale checks: warm-up of one rank's groups (flat: all_to_all, all_gather; remat, TP: all_to_all; team:
+    # all_reduce, all_gather), and two hops as 2 nodes of 1, bitwise the fused exchange with one peer each
+    warm, hops = report["scale"]["warm_up"], report["scale"]["node_exchange"]
+    assert warm["collectives"] == 6 and all(r["bitwise"] and r["peers"] == [1, 1] for r in hops), report["scale"]

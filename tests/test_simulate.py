@@ -6,10 +6,12 @@ import dataclasses
 import itertools
 import json
 import math
+import time
 
 import pytest
 
 from overlap_muon.scheduler.cost import ns_flops
+from overlap_muon.scheduler.waves import plan_waves
 from overlap_muon.apps.simulate import MODEL_PRESETS, SimConfig, SimResult, main, plan_question, simulate
 
 pytestmark = pytest.mark.timeout(60)
@@ -313,3 +315,187 @@ def test_cli_surplus_table_and_question(capsys, tmp_path):
     q_team = plan_question(3000, 1000, taper=True, surplus="team")
     assert q_team.last_wave_s < q_idle.last_wave_s and q_team.last_wave_policy == "team"
     assert plan_question(3000, 1000, surplus="team").last_wave_s == plan_question(3000, 1000).last_wave_s  # full waves
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The node-aware exchange ([Note: node-aware exchange in the model])
+# ---------------------------------------------------------------------------------------------------------------
+def _planned_homes(cfg: SimConfig) -> list[dict[int, int]]:
+    """Per wave, matrix -> home, planned as the simulator plans them."""
+    shapes = [s for layer in cfg.layer_shapes for s in layer]
+    costs = [ns_flops(s, cfg.ns_steps) / cfg.ns_flops_per_s for s in shapes]
+    order = list(range(len(shapes) - 1, -1, -1))
+    waves = plan_waves(order, costs, cfg.ns_slots, wave_slots=cfg.wave_slots or cfg.domain_size,
+                       balance=cfg.balance, taper=cfg.taper,
+                       node_size=cfg.ranks_per_node if cfg.uses_node_homes else None)
+    return [dict(w.homes) for w in waves]
+
+
+def _route_by_flows(cfg: SimConfig) -> dict:
+    """Every piece of every wave routed one by one (dp_slots = 1): peers, bytes sent across / within nodes per
+    rank, and per wave and direction the busiest rank's bytes (sent or received) of hop 1, of hop 2 (fused: the
+    one all_to_all) and across nodes."""
+    S, L = cfg.domain_size, cfg.ranks_per_node
+    shapes = [s for layer in cfg.layer_shapes for s in layer]
+    two_hops = cfg.node_exchange == "node_aware" and S > L
+    peers = [set() for _ in range(S)]
+    cross, intra = [0.0] * S, [0.0] * S
+    hops = []  # per wave: {direction: [busiest hop 1, busiest hop 2, busiest across nodes]}
+    for homes in _planned_homes(cfg):
+        wave = {}
+        for direction in ("to", "back"):
+            sent = [[0.0] * S for _ in range(3)]  # hop 1, hop 2, across nodes
+            recv = [[0.0] * S for _ in range(3)]
+
+            def move(hop, src, dst, b):
+                if src == dst:
+                    return
+                peers[src].add(dst)
+                peers[dst].add(src)
+                sent[hop][src] += b
+                recv[hop][dst] += b
+                if src // L == dst // L:
+                    intra[src] += b
+                else:
+                    cross[src] += b
+                    sent[2][src] += b
+                    recv[2][dst] += b
+
+            for i, h in homes.items():
+                b = shapes[i][0] * shapes[i][1] * 2 / S
+                for r in range(S):
+                    src, dst = (r, h) if direction == "to" else (h, r)
+                    if src == dst:
+                        continue
+                    if not two_hops:
+                        move(1, src, dst, b)
+                        continue
+                    mid = (src // L) * L + dst % L  # the source's node-mate with the destination's local index
+                    move(0, src, mid, b)
+                    move(1, mid, dst, b)
+            wave[direction] = [max(max(s_), max(r_)) for s_, r_ in zip(sent, recv)]
+        hops.append(wave)
+    return dict(peers=[len(p) for p in peers], cross=cross, intra=intra, hops=hops)
+
+
+def _nodes_cfg(**kw) -> SimConfig:
+    """16 ranks on 4 nodes of 4 (TP 2 x remat 8), the small layer, no pack/apply or presence check."""
+    return _small(**{**dict(tp_size=2, remat_size=8, gpus_per_node=4, elementwise_bytes_per_s=None,
+                            grad_presence_check=False), **kw})
+
+
+@pytest.mark.parametrize("kind,homes", [("fused", False), ("fused", True), ("node_aware", True),
+                                        ("node_aware", False)])
+def test_exchange_stats_match_routing_every_piece(kind, homes):
+    cfg = _nodes_cfg(node_exchange=kind, node_homes=homes, wave_slots=12)
+    r = simulate(cfg)
+    e, ref = r.exchange, _route_by_flows(cfg)
+    assert (e.kind, e.node_homes, e.ranks_per_node, e.nodes) == (kind, homes, 4, 4)
+    assert e.peers_max == max(ref["peers"]) and e.peers_mean == pytest.approx(sum(ref["peers"]) / 16)
+    assert e.cross_node_bytes_max == pytest.approx(max(ref["cross"]))
+    assert e.cross_node_bytes_total == pytest.approx(sum(ref["cross"]))
+    assert e.intra_node_bytes_max == pytest.approx(max(ref["intra"]))
+    assert e.busiest_inter_bytes == pytest.approx(sum(w["to"][2] + w["back"][2] for w in ref["hops"]))
+    lat = cfg.collective_latency_s
+    for w, hop in zip(r.waves, ref["hops"]):
+        if kind == "node_aware":  # each hop: latency + busiest bytes over its link
+            for t, (b1, b2, _) in ((w.to_home_s, hop["to"]), (w.from_home_s, hop["back"])):
+                assert t == pytest.approx(2 * lat + b1 / cfg.intra_node_bytes_per_s + b2 / cfg.inter_node_bytes_per_s)
+    assert e.collectives_per_step == r.num_waves * (4 if kind == "node_aware" else 2)
+
+
+def test_node_aware_peers_bound_and_same_cross_node_bytes():
+    """S = 16 on nodes of 4: at most (L-1) + (N-1) = 6 peers instead of S-1 = 15, and the same bytes cross nodes
+    (each once: (S - L) / S of every shard, both directions), whatever the homes."""
+    fused, node = simulate(_nodes_cfg()), simulate(_nodes_cfg(node_exchange="node_aware"))
+    plain = simulate(_nodes_cfg(node_exchange="node_aware", node_homes=False))
+    assert fused.exchange.peers_max == 15
+    assert node.exchange.peers_max == plain.exchange.peers_max == 6
+    params = sum(p * q for layer in _nodes_cfg().layer_shapes for p, q in layer)
+    for r in (fused, node, plain):
+        assert r.exchange.cross_node_bytes_total == pytest.approx(2 * 2 * params * (16 - 4) / 16)
+    assert node.exchange.intra_node_bytes_max > fused.exchange.intra_node_bytes_max  # hop 1 moves bytes in-node
+    assert node.collectives_per_step == 2 * fused.collectives_per_step
+    # The node homes move only ties: the per-home NS loads are LPT's.
+    assert node.ns_load_max_s == pytest.approx(fused.ns_load_max_s)
+    assert node.ns_load_mean_s == pytest.approx(fused.ns_load_mean_s)
+    # DP slots: each replica exchanges its own matrices, the totals per domain still agree.
+    d_fused = simulate(_nodes_cfg(dp_size=2, dp_slots=2))
+    d_node = simulate(_nodes_cfg(dp_size=2, dp_slots=2, node_exchange="node_aware"))
+    assert d_node.exchange.cross_node_bytes_total == pytest.approx(d_fused.exchange.cross_node_bytes_total)
+    assert d_node.exchange.peers_max <= 6
+
+
+def test_node_homes_spread_the_return_over_nics():
+    """One wave of 4 equal matrices on 16 ranks: plain LPT puts the homes on node 0, whose NICs then carry every
+    result out; the node tie-break puts one home per node (diagonal), cutting the busiest hop-2 bytes of the way
+    back 4x. The way to the homes is bound by each home's NIC either way, and the fused exchange by the home's."""
+    cfg = _nodes_cfg(layer_shapes=(((256, 256),) * 4,), layer_forward_s=(1e-3,), layer_backward_s=(2e-3,),
+                     taper=False)
+    assert sorted(_planned_homes(dataclasses.replace(cfg, node_homes=False))[0].values()) == [0, 1, 2, 3]
+    assert sorted(_planned_homes(dataclasses.replace(cfg, node_homes=True))[0].values()) == [0, 5, 10, 15]
+    plain = simulate(dataclasses.replace(cfg, node_exchange="node_aware", node_homes=False))
+    node = simulate(dataclasses.replace(cfg, node_exchange="node_aware"))
+    s = 256 * 256 * 2 / 16
+    assert plain.exchange.busiest_inter_bytes == pytest.approx(12 * s + 12 * s)
+    assert node.exchange.busiest_inter_bytes == pytest.approx(12 * s + 3 * s)
+    assert node.waves[0].from_home_s < plain.waves[0].from_home_s
+    assert node.waves[0].to_home_s == pytest.approx(plain.waves[0].to_home_s)
+    assert node.last_wave_latency_s < plain.last_wave_latency_s
+    fused = [simulate(dataclasses.replace(cfg, node_homes=h)) for h in (False, True)]
+    assert fused[0].waves[0].from_home_s == pytest.approx(fused[1].waves[0].from_home_s)
+
+
+def test_node_aware_on_one_node_is_fused_and_defaults_unchanged():
+    cfg = _small()  # 8 ranks on nodes of 4
+    assert cfg.node_exchange == "fused" and not cfg.uses_node_homes
+    base = simulate(cfg)
+    assert simulate(dataclasses.replace(cfg, node_homes=False)) == base
+    one_node = dataclasses.replace(cfg, gpus_per_node=8, node_homes=False)
+    fused, node = simulate(one_node), simulate(dataclasses.replace(one_node, node_exchange="node_aware"))
+    assert node.waves == fused.waves and node.collectives_per_step == fused.collectives_per_step
+    assert node.exchange.peers_max == fused.exchange.peers_max == 7 and node.exchange.nodes == 1
+
+
+def test_node_exchange_config_errors():
+    with pytest.raises(ValueError, match="node_exchange"):
+        _small(node_exchange="hierarchical")
+    with pytest.raises(ValueError, match="fused_a2a"):
+        _small(node_exchange="node_aware", fused_a2a=False)
+    with pytest.raises(ValueError, match="surplus"):
+        _small(node_exchange="node_aware", surplus="team")
+    with pytest.raises(ValueError, match="whole nodes"):
+        _small(node_exchange="node_aware", remat_size=3)  # 6 ranks on nodes of 4
+    with pytest.raises(ValueError, match="node_homes"):
+        _small(node_homes="yes")
+    assert simulate(_small(fused_a2a=False)).exchange is None  # the two-stage exchange is not modelled by rank
+
+
+def test_8192_ranks_in_seconds():
+    cfg = SimConfig.for_model("llama3-70b", tp_size=1, remat_size=8192, dp_size=1, node_exchange="node_aware")
+    t0 = time.perf_counter()
+    r = simulate(cfg)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 10.0, elapsed  # ~1 s; generous for a loaded machine
+    assert r.exchange.peers_max == 7 + 1023 and r.exchange.nodes == 1024
+    # 560 matrices on 1,024 nodes: one home per node, each node's results leave through its 8 NICs.
+    assert r.exchange.cross_node_bytes_max < 0.25 * r.exchange.cross_node_bytes_total / 560
+
+
+def test_cli_exchange_lines(capsys, tmp_path):
+    out = tmp_path / "n.json"
+    assert main(["--model", "llama3-8b", "--tp", "2", "--remat", "8", "--dp", "1", "--gpus-per-node", "4",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "exchange across nodes (4 domain ranks per node on 4 nodes" in text
+    for label in ("fused, plain homes", "node-aware, node homes", "node-aware, plain homes"):
+        assert label in text
+    doc = json.loads(out.read_text())
+    assert [e["label"] for e in doc["exchanges"]] == ["fused, plain homes", "node-aware, node homes",
+                                                      "node-aware, plain homes"]
+    assert doc["exchanges"][1]["stats"]["peers_max"] == 6 and doc["exchanges"][0]["stats"]["peers_max"] == 15
+    assert main(["--model", "llama3-8b", "--tp", "2", "--remat", "8", "--dp", "1", "--gpus-per-node", "4",
+                 "--node-exchange", "node_aware"]) == 0
+    text = capsys.readouterr().out
+    assert "node-aware (two hops) all_to_all" in text and "(node tie-break)" in text
+    assert "fused, plain homes" not in text and "node-aware, node homes" in text

@@ -7,6 +7,7 @@ Usage::
     python -m overlap_muon.apps.simulate --shapes 4096x4096,11008x4096,4096x11008 --layers 32 --tp 4 --remat 2
     python -m overlap_muon.apps.simulate --matrices 3000 --slots 1000     # "N matrices on K slots": waves, per-wave load
     python -m overlap_muon.apps.simulate --surplus all --dp-slots 4       # every surplus policy, with and without DP slots
+    python -m overlap_muon.apps.simulate --tp 1 --remat 8192 --dp 1       # 1,024 nodes: fused vs node-aware
 
 Pure Python: no ``torch.distributed``, no streams, no device. The planning is the real one
 (:func:`scheduler.plan_waves` with :func:`scheduler.ns_flops` costs), the timing is modelled.
@@ -39,7 +40,8 @@ Pure Python: no ``torch.distributed``, no streams, no device. The planning is th
    (one all_to_all over the flat domain): a rank sends its shard of every matrix homed elsewhere,
    ``2*(1-1/S)*shard_bytes`` per rank per wave on average, and a home receives ``S-1`` shards of each of its
    matrices. Two-stage (``fused_a2a=False``): one all_to_all over the remat group, then one over the TP group
-   (each skipped at size 1), times added. From-home mirrors to-home (same time).
+   (each skipped at size 1), times added. From-home mirrors to-home (same time). The node-aware exchange
+   (``node_exchange="node_aware"``: two hops per direction) is [Note: node-aware exchange in the model].
 6. **Elementwise work.** Pack (momentum lerp + bf16 cast + copy into the send buffer: 16 B/element of the
    local shard, fp32 grad and momentum) runs on the comm lane before the to-home exchange; apply (unpack +
    update of the fp32 param shard: 12 B/element) after the from-home exchange; both at
@@ -87,6 +89,48 @@ matrices homed in it, and before the apply every rank all-gathers over its DP gr
 usually inter-node) its shard of the results the other replicas computed: ``latency + busiest bytes / link``
 appended to the from-home item. The simulated lanes are then those of ``D`` replicas, in lock-step.
 
+[Note: node-aware exchange in the model] The domain's ``S`` ranks lie ``L = min(gpus_per_node, S)`` to a node on
+``N = S / L`` nodes (consecutive: rank ``f`` is local index ``l = f % L`` of node ``n = f // L``; ``node_aware``
+needs ``S % L == 0``). ``node_exchange="node_aware"`` runs each direction of a fused exchange in two all_to_alls:
+hop 1 within the node (rank ``(n, l)`` hands its node-mate ``(n, l')`` every piece bound for a rank of local index
+``l'`` on any node), hop 2 across nodes among the ``N`` ranks of one local index (``(n, l')`` sends ``(n', l')``
+what it now holds for it), with a local reorder copy between them; the same bytes arrive. ``N = 1`` is the fused
+exchange; ``L = 1`` skips hop 1. Per wave and replica, with ``o[r]`` the shard bytes (``2*P*Q/S`` per matrix)
+of the matrices homed on rank ``r``, ``B = sum(o)``, ``O[n]`` the sum of ``o`` over node ``n`` and ``C[l]`` over
+local index ``l`` (all nodes), a rank ``r = (n, l)`` (``L_n``: ranks of its node; fused allows a short last node)
+sends and receives, in bytes:
+
+======================  ===================  ===================  =========================
+exchange, direction     sends                receives             crosses nodes
+======================  ===================  ===================  =========================
+fused, to-home          ``B - o[r]``         ``(S-1) o[r]``       ``B - O[n]`` sent,
+                                                                  ``(S-L_n) o[r]`` received
+fused, from-home        ``(S-1) o[r]``       ``B - o[r]``         ``(S-L_n) o[r]`` sent,
+                                                                  ``B - O[n]`` received
+node-aware to, hop 1    ``B - C[l]``         ``(L-1) C[l]``       none
+node-aware to, hop 2    ``L (C[l] - o[r])``  ``(N-1) L o[r]``     all
+node-aware back, hop 1  ``(L-1) N o[r]``     ``N (O[n] - o[r])``  none
+node-aware back, hop 2  ``(N-1) O[n]``       ``B - O[n]``         all
+======================  ===================  ===================  =========================
+
+Summed over ranks both kinds send ``(S - L) B`` across nodes per direction (each cross-node byte crosses once);
+node-aware adds hop 1's ``N (L-1) B`` within nodes. To-home, a home's NIC receives every cross-node shard of its
+matrices (``(S-L) o[r]``) in both kinds; from-home, node-aware sends a home's results out through the ``L`` NICs
+of its node (``(N-1) O[n]`` each), fused through the home's one: so node-aware's from-home gains only where
+a node holds few homes, which is what ``node_homes`` (``scheduler.homes`` [Note: homes that know nodes]; the
+same per-rank NS loads, only ties move) arranges when a wave has fewer matrices than ranks. A node-aware
+direction takes ``(latency + hop-1 busiest / intra_bw) + reorder + (latency + hop-2 busiest / inter_bw)``,
+busiest = ``max`` over ranks of sends and receives; the reorder reads and writes what the busiest rank holds
+after hop 1 (to-home ``L * max C``, from-home ``N * max O``) at ``elementwise_bytes_per_s`` (none if ``None``).
+The fused time stays item 4's (even split over peers). :class:`ExchangeStats` (:attr:`SimResult.exchange`)
+counts, per step and for the config's kind and homes, from these formulas in ``O(S)`` per wave: peers per rank
+(the ranks a rank sends to or receives from in any wave, either direction, either hop: fused ``S-1`` for a
+rank that is ever a home, else the number of homes; node-aware ``(L-1 if some home has local index l, else
+the number of local indices with a home) + (N-1 if node n has a home, else the number of nodes with one)``,
+at most ``(L-1) + (N-1)``), cross-node and intra-node bytes a rank sends (both directions, all hops), and
+all_to_alls (node-aware: ``2 * (int(L > 1) + 1)`` per wave, plus the gradient-presence check, a gloo collective
+that neither kind changes and the peer count leaves out, as it does the DP all-gather of ``dp_slots``).
+
 For validation against a measurement, :meth:`SimConfig.from_measured` builds a config from measured per-layer
 forward / backward times, NS rate and link bandwidth (e.g. on a CPU/gloo run), and
 :attr:`SimResult.exposed_fraction_overlap` is the figure to compare with the measured exposed fraction that
@@ -111,6 +155,7 @@ __all__ = [
     "SimConfig",
     "SimResult",
     "WaveTiming",
+    "ExchangeStats",
     "WaveQuestion",
     "simulate",
     "plan_question",
@@ -127,6 +172,8 @@ _PACK_BYTES = 16
 _APPLY_BYTES = 12
 #: A lane item is finished when less than this much of it (seconds) is left: absorbs float round-off.
 _EPS = 1e-12
+#: How a fused exchange crosses nodes ([Note: node-aware exchange in the model]).
+NODE_EXCHANGES = ("fused", "node_aware")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -259,6 +306,12 @@ class SimConfig:
     """Shrink the last two waves (``scheduler.plan_waves``)."""
     fused_a2a: bool = True
     """One all_to_all over the flat domain per direction (else two stages: remat group, then TP group)."""
+    node_exchange: str = "fused"
+    """How the fused exchange crosses nodes: ``"fused"`` (one all_to_all over the domain per direction) or
+    ``"node_aware"`` (two per direction: within nodes, then across); [Note: node-aware exchange in the model]."""
+    node_homes: bool | None = None
+    """Break LPT's ties of load by node load, then local-index load (``scheduler.homes`` [Note: homes that know
+    nodes]); ``None``: on with ``node_exchange="node_aware"``, off otherwise."""
     grad_presence_check: bool = True
     """Each wave first exchanges one byte per matrix with every peer (the runtime's gradient-presence check):
     one more latency-bound all_to_all per wave on the to-home lane."""
@@ -325,11 +378,37 @@ class SimConfig:
         if self.surplus != "idle" and not self.fused_a2a:
             raise ValueError("SimConfig.surplus other than 'idle' is modelled for the fused all_to_all only "
                              "(fused_a2a=True)")
+        self._check_node_exchange()
+
+    def _check_node_exchange(self) -> None:
+        if self.node_exchange not in NODE_EXCHANGES:
+            raise ValueError(f"SimConfig.node_exchange must be one of {NODE_EXCHANGES}, got {self.node_exchange!r}")
+        if self.node_homes is not None and not isinstance(self.node_homes, bool):
+            raise ValueError(f"SimConfig.node_homes must be a bool or None, got {self.node_homes!r}")
+        if self.node_exchange == "fused":
+            return
+        if not self.fused_a2a:
+            raise ValueError("SimConfig.node_exchange='node_aware' splits the fused all_to_all (fused_a2a=True)")
+        if self.surplus != "idle":
+            raise ValueError("SimConfig.node_exchange='node_aware' is modelled with surplus='idle' only")
+        if self.domain_size % self.ranks_per_node:
+            raise ValueError(f"SimConfig.node_exchange='node_aware' needs whole nodes: a domain of "
+                             f"{self.domain_size} ranks is not a multiple of gpus_per_node={self.gpus_per_node}")
 
     @property
     def domain_size(self) -> int:
         """``S = remat_size * tp_size``, the number of NS homes."""
         return self.remat_size * self.tp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        """``L = min(gpus_per_node, S)``: the domain's ranks on one node."""
+        return min(self.gpus_per_node, self.domain_size)
+
+    @property
+    def uses_node_homes(self) -> bool:
+        """Whether the homes break LPT's ties by node (:attr:`node_homes`, ``None`` resolved)."""
+        return self.node_exchange == "node_aware" if self.node_homes is None else self.node_homes
 
     @property
     def ns_slots(self) -> int:
@@ -491,6 +570,39 @@ class WaveTiming:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ExchangeStats:
+    """The to-home and from-home exchanges of one step, one domain, by rank ([Note: node-aware exchange in the
+    model]). Bytes are bf16 payload, both directions and every hop summed; with ``dp_slots > 1`` per-rank figures
+    are over the ranks of every replica, totals per replica's domain."""
+
+    kind: str
+    """``"fused"`` or ``"node_aware"`` (a domain on one node exchanges as ``"fused"`` whatever the kind)."""
+    node_homes: bool
+    """Whether LPT's ties went to the least-loaded node."""
+    ranks_per_node: int
+    """``L``, the domain's ranks on one node."""
+    nodes: int
+    """``N = ceil(S / L)``, the nodes the domain spans."""
+    peers_max: int
+    """Most distinct ranks one rank sends to or receives from over the step (fused ``S - 1``, node-aware at most
+    ``(L - 1) + (N - 1)``)."""
+    peers_mean: float
+    """Mean over ranks of the same count."""
+    cross_node_bytes_max: float
+    """Most bytes one rank sends to other nodes per step, B."""
+    cross_node_bytes_total: float
+    """Bytes the domain's ranks send to other nodes per step, B (the same for both kinds)."""
+    intra_node_bytes_max: float
+    """Most bytes one rank sends to ranks of its own node per step, B."""
+    busiest_inter_bytes: float
+    """Sum over the step's inter-node all_to_alls (fused: each exchange; node-aware: each hop 2) of the busiest
+    rank's cross-node bytes, sent or received, B: what the inter-node part of the exchange time is made of."""
+    collectives_per_step: int
+    """all_to_alls per step per rank, the gradient-presence check included (as
+    :attr:`SimResult.collectives_per_step`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SimResult:
     """What :func:`simulate` predicts for one step of one weight-shard domain (all DP replicas alike)."""
 
@@ -553,6 +665,9 @@ class SimResult:
     """``exposed_barrier_s / step_barrier_s``."""
     waves: tuple[WaveTiming, ...]
     """Per-wave timing of the overlapped run."""
+    exchange: ExchangeStats | None
+    """Peers, bytes within and across nodes, and collectives of the config's exchange kind on its homes; ``None``
+    for the two-stage exchange (``fused_a2a=False``), which it does not model."""
 
     @property
     def speedup(self) -> float:
@@ -642,13 +757,168 @@ def _exchange_s(cfg: SimConfig, shard_bytes: list[float], homes: list[int]) -> f
     return _a2a_s(cfg, busiest1, R, T) + _a2a_s(cfg, max(send2, recv2), T, 1)
 
 
+def _node_aware(cfg: SimConfig) -> bool:
+    """Whether the exchanges run in two hops: ``node_exchange="node_aware"`` on a domain spanning nodes."""
+    return cfg.node_exchange == "node_aware" and cfg.domain_size > cfg.ranks_per_node
+
+
 def _collectives_per_wave(cfg: SimConfig) -> int:
     if cfg.domain_size == 1:
         return 0
     check = int(cfg.grad_presence_check)
+    if _node_aware(cfg):
+        return 2 * (int(cfg.ranks_per_node > 1) + 1) + check
     if cfg.fused_a2a:
         return 2 + check
     return 2 * (int(cfg.remat_size > 1) + int(cfg.tp_size > 1)) + check
+
+
+def _node_sums(own: Sequence[float], L: int) -> tuple[list[float], list[float]]:
+    """``(O, C)``: ``own`` summed per node (ranks ``[n*L, (n+1)*L)``, the last may be short) and per local index."""
+    O, C = [0.0] * -(-len(own) // L), [0.0] * L
+    for r, o in enumerate(own):
+        O[r // L] += o
+        C[r % L] += o
+    return O, C
+
+
+@dataclass(frozen=True, slots=True)
+class _Hops:
+    """Busiest-rank bytes (max over ranks of sends and receives) of each hop of a node-aware wave, and the most
+    bytes a rank holds between the hops (what the reorder copies)."""
+
+    to1: float
+    to2: float
+    back1: float
+    back2: float
+    held_to: float
+    held_back: float
+
+
+def _node_aware_hops(own: Sequence[float], L: int) -> _Hops:
+    """The table of [Note: node-aware exchange in the model], maximized over ranks; ``own[r]``: rank r's bytes."""
+    N, B = len(own) // L, sum(own)
+    O, C = _node_sums(own, L)
+    return _Hops(
+        to1=max(max(B - c, (L - 1) * c) for c in C),
+        to2=max(max(L * (C[r % L] - o), (N - 1) * L * o) for r, o in enumerate(own)),
+        back1=max(max((L - 1) * N * o, N * (O[r // L] - o)) for r, o in enumerate(own)),
+        back2=max(max((N - 1) * x, B - x) for x in O),
+        held_to=L * max(C),
+        held_back=N * max(O),
+    )
+
+
+def _node_aware_s(cfg: SimConfig, own: Sequence[float]) -> tuple[float, float]:
+    """``(to_home_s, from_home_s)`` of a node-aware wave: hop 1 (intra) + reorder + hop 2 (inter) per direction."""
+    L, lat, h = cfg.ranks_per_node, cfg.collective_latency_s, _node_aware_hops(own, cfg.ranks_per_node)
+
+    def direction(hop1: float, hop2: float, held: float) -> float:
+        t = lat + hop2 / cfg.inter_node_bytes_per_s
+        if L > 1:
+            t += lat + hop1 / cfg.intra_node_bytes_per_s
+            if cfg.elementwise_bytes_per_s is not None:
+                t += 2 * held / cfg.elementwise_bytes_per_s
+        return t
+
+    return direction(h.to1, h.to2, h.held_to), direction(h.back1, h.back2, h.held_back)
+
+
+def _exchange_pair_s(cfg: SimConfig, shard_bytes: list[float], homes: list[int]) -> tuple[float, float]:
+    """``(to_home_s, from_home_s)`` of one replica's wave, by the config's exchange kind."""
+    if not _node_aware(cfg):
+        ex = _exchange_s(cfg, shard_bytes, homes)
+        return ex, ex
+    own = [0.0] * cfg.domain_size
+    for b, h in zip(shard_bytes, homes):
+        own[h] += b
+    return _node_aware_s(cfg, own)
+
+
+@dataclass(slots=True)
+class _Traffic:
+    """One wave of one replica, both directions: bytes each rank sends across and within nodes, and the sum over
+    the wave's inter-node all_to_alls of the busiest rank's cross-node bytes."""
+
+    cross: list[float]
+    intra: list[float]
+    busiest_inter: float
+
+
+def _fused_traffic(own: Sequence[float], L: int) -> _Traffic:
+    S, B = len(own), sum(own)
+    O, _ = _node_sums(own, L)
+    size = [min(L, S - n * L) for n in range(len(O))]  # ranks of each node (the last may be short)
+    out_of_node = [B - O[r // L] for r in range(S)]  # to-home sent, from-home received, across nodes
+    home_far = [(S - size[r // L]) * o for r, o in enumerate(own)]  # to-home received, from-home sent, across
+    return _Traffic(
+        cross=[a + b for a, b in zip(out_of_node, home_far)],
+        intra=[(O[r // L] - o) + (size[r // L] - 1) * o for r, o in enumerate(own)],
+        busiest_inter=2 * max(max(a, b) for a, b in zip(out_of_node, home_far)),
+    )
+
+
+def _node_aware_traffic(own: Sequence[float], L: int) -> _Traffic:
+    N, B = len(own) // L, sum(own)
+    O, C = _node_sums(own, L)
+    h = _node_aware_hops(own, L)
+    return _Traffic(
+        cross=[L * (C[r % L] - o) + (N - 1) * O[r // L] for r, o in enumerate(own)],
+        intra=[(B - C[r % L]) + (L - 1) * N * o for r, o in enumerate(own)],
+        busiest_inter=h.to2 + h.back2,
+    )
+
+
+def _peers(homes: set[int], S: int, L: int, node_aware: bool) -> tuple[int, float]:
+    """``(max, mean)`` over a replica's ranks of the peers of the step's exchanges, ``homes``: every wave's."""
+    if not homes or S == 1:
+        return 0, 0.0
+    if not node_aware:
+        k = len(homes)
+        return S - 1, (k * (S - 1) + (S - k) * k) / S
+    N = S // L
+    locals_, nodes = {h % L for h in homes}, {h // L for h in homes}
+    intra = [L - 1 if l in locals_ else len(locals_) for l in range(L)]
+    inter = [N - 1 if n in nodes else len(nodes) for n in range(N)]
+    return max(intra) + max(inter), sum(intra) / L + sum(inter) / N
+
+
+def _exchange_stats(cfg: SimConfig, waves: Sequence[Any], shapes: Sequence[tuple[int, int]]) -> ExchangeStats:
+    """:class:`ExchangeStats` of the planned waves: per-wave aggregates, ``O(S)`` per wave and replica."""
+    S, D, L = cfg.domain_size, cfg.dp_slots, cfg.ranks_per_node
+    node_aware = _node_aware(cfg)
+    traffic = _node_aware_traffic if node_aware else _fused_traffic
+    cross, intra = [0.0] * (S * D), [0.0] * (S * D)
+    homes: list[set[int]] = [set() for _ in range(D)]
+    busiest = 0.0
+    for w in waves:
+        own = [[0.0] * S for _ in range(D)]
+        for i in w.params:
+            d, h = divmod(w.homes[i], S)
+            own[d][h] += shapes[i][0] * shapes[i][1] * _WIRE_BYTES / S
+            homes[d].add(h)
+        wave_busiest = 0.0
+        for d in {w.homes[i] // S for i in w.params}:
+            t = traffic(own[d], L)
+            for r in range(S):
+                cross[d * S + r] += t.cross[r]
+                intra[d * S + r] += t.intra[r]
+            wave_busiest = max(wave_busiest, t.busiest_inter)
+        busiest += wave_busiest
+    peers = [_peers(h, S, L, node_aware) for h in homes]
+    return ExchangeStats(
+        kind=cfg.node_exchange,
+        node_homes=cfg.uses_node_homes,
+        ranks_per_node=L,
+        nodes=-(-S // L),
+        peers_max=max(p[0] for p in peers),
+        peers_mean=sum(p[1] for p in peers) / D,
+        cross_node_bytes_max=max(cross),
+        cross_node_bytes_total=sum(cross) / D,
+        intra_node_bytes_max=max(intra),
+        busiest_inter_bytes=busiest,
+        collectives_per_step=len(waves) * _collectives_per_wave(cfg),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -676,6 +946,14 @@ class _RunOut:
     applied: list[float] = dataclasses.field(default_factory=list)
 
 
+def _lane_work(plans: list[_WavePlan], num_homes: int) -> list[list[float]]:
+    """Per wave, the NS work of each simulated lane: every home with work in some wave, then one idle home (if
+    any) for all the others."""
+    busy = sorted({r for p in plans for r, w in enumerate(p.ns_work) if w > 0})
+    idle = [0.0] if len(busy) < num_homes else []
+    return [[p.ns_work[r] for r in busy] + idle for p in plans]
+
+
 def _run(cfg: SimConfig, plans: list[_WavePlan], overlap: bool, barrier: bool = False) -> _RunOut:
     """Simulate the last backward and the next forward; see [Note: what the model assumes], items 7-9.
 
@@ -683,7 +961,10 @@ def _run(cfg: SimConfig, plans: list[_WavePlan], overlap: bool, barrier: bool = 
     next forward's first layer waits for every wave (on a GPU a stream wait: the compute stream idles, the host
     does not), else each layer waits only for its own waves (``async_step``)."""
     # One main lane and one NS lane per GPU of the ``dp_slots`` replicas that share the NS work (all lock-step).
-    L, S, K = len(cfg.layer_shapes), cfg.ns_slots, len(plans)
+    # GPUs that home no NS in any wave all run alike: one lane stands for them all (at thousands of ranks,
+    # most of them), the results are the same.
+    work = _lane_work(plans, cfg.ns_slots)
+    L, S, K = len(cfg.layer_shapes), len(work[0]) if work else 1, len(plans)
     tasks = [("backward", l, cfg.layer_backward_s[l]) for l in reversed(range(L))]
     tasks += [("forward", l, cfg.layer_forward_s[l]) for l in range(L)]
     waves_of_layer: list[set[int]] = [set() for _ in range(L)]
@@ -767,7 +1048,7 @@ def _run(cfg: SimConfig, plans: list[_WavePlan], overlap: bool, barrier: bool = 
             comm = None
             if kind == "to":
                 out.to_end[k] = t
-                for r, w in enumerate(plans[k].ns_work):
+                for r, w in enumerate(work[k]):
                     if w > 0:
                         ns_q[r].append((k, w))
                         ns_left[k] += 1
@@ -874,7 +1155,9 @@ def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan], floa
     # Backward makes gradients last-layer-first; inside a layer, reverse registration order.
     order = list(range(len(shapes) - 1, -1, -1))
     # DP slots add homes, not wave size: a wave still holds at most S matrices by default.
-    waves = plan_waves(order, ns_s, H, wave_slots=cfg.wave_slots or S, balance=cfg.balance, taper=cfg.taper)
+    node_size = cfg.ranks_per_node if cfg.uses_node_homes else None
+    waves = plan_waves(order, ns_s, H, wave_slots=cfg.wave_slots or S, balance=cfg.balance, taper=cfg.taper,
+                       node_size=node_size)
     cm = _surplus_cost_model(cfg)
     prev_work = [0.0] * H
     nodes = _Nodes(S, cfg.gpus_per_node)
@@ -893,8 +1176,8 @@ def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan], floa
                 for i in params:
                     work[d * S + homes[i]] += ns_s[i]
                 if params:
-                    ex = _exchange_s(cfg, shard_bytes, [homes[i] for i in params])
-                    ex_to, ex_back = max(ex_to, ex), max(ex_back, ex)
+                    to_s, back_s = _exchange_pair_s(cfg, shard_bytes, [homes[i] for i in params])
+                    ex_to, ex_back = max(ex_to, to_s), max(ex_back, back_s)
                 sent_total += sum(b * (1 - 1 / S) for b in shard_bytes) / D
                 continue
             # The previous wave's NS may still run on this wave's surplus ranks: plan around it.
@@ -971,6 +1254,7 @@ def simulate(config: SimConfig) -> SimResult:
     step_ovl, step_no, step_bar = compute + exposed_ovl, compute + exposed_no, compute + exposed_bar
 
     shapes = [s for layer in cfg.layer_shapes for s in layer]
+    stats = _exchange_stats(cfg, waves, shapes) if cfg.fused_a2a else None
     exchange = 0.0
     elem_bw = cfg.elementwise_bytes_per_s
     for p in plans:
@@ -1026,6 +1310,7 @@ def simulate(config: SimConfig) -> SimResult:
         exposed_fraction_no_overlap=exposed_no / step_no if step_no > 0 else 0.0,
         exposed_fraction_overlap=exposed_ovl / step_ovl if step_ovl > 0 else 0.0,
         waves=timings,
+        exchange=stats,
     )
 
 
@@ -1171,10 +1456,11 @@ def _format_result(cfg: SimConfig, r: SimResult, max_wave_rows: int = 12) -> str
         f"assumed: NS {cfg.ns_flops_per_s:.3g} FLOP/s/GPU, links intra {cfg.intra_node_bytes_per_s:.3g} / inter "
         f"{cfg.inter_node_bytes_per_s:.3g} B/s/GPU ({cfg.gpus_per_node} GPUs/node), latency "
         f"{cfg.collective_latency_s * 1e6:.0f} us, elementwise {cfg.elementwise_bytes_per_s or 0:.3g} B/s, "
-        f"{'fused' if cfg.fused_a2a else 'two-stage'} all_to_all, ns_interference {cfg.ns_interference:g}, "
+        f"{_exchange_label(cfg)} all_to_all, ns_interference {cfg.ns_interference:g}, "
         f"surplus {cfg.surplus}, dp_slots {cfg.dp_slots}",
         f"waves: {r.num_waves} (sizes {list(r.wave_sizes)}), {r.collectives_per_step} all_to_all per step; "
-        f"wave_slots {cfg.wave_slots or r.domain_size}, balance {cfg.balance}, taper {cfg.taper}",
+        f"wave_slots {cfg.wave_slots or r.domain_size}, balance {cfg.balance}"
+        f"{' (node tie-break)' if cfg.uses_node_homes and cfg.balance == 'lpt' else ''}, taper {cfg.taper}",
         f"NS per home per step: max {_ms(r.ns_load_max_s).strip()}, mean {_ms(r.ns_load_mean_s).strip()}, "
         f"max/mean {r.ns_load_max_over_mean:.3f}; {r.ns_flops_per_step:.3g} NS FLOPs per domain",
         _gram_line(cfg),
@@ -1211,6 +1497,56 @@ def _format_result(cfg: SimConfig, r: SimResult, max_wave_rows: int = 12) -> str
             f"{1e3 * w.applied_at_s:>9.1f} ms"
         )
     return "\n".join(lines)
+
+
+def _exchange_label(cfg: SimConfig) -> str:
+    if not cfg.fused_a2a:
+        return "two-stage"
+    return "node-aware (two hops)" if cfg.node_exchange == "node_aware" else "fused"
+
+
+def _format_exchanges(rows: list[tuple[str, SimResult]]) -> str:
+    """One line per exchange kind: peers, bytes (GB, sent per step), collectives, times."""
+    e0 = rows[0][1].exchange
+    lines = [
+        "",
+        f"exchange across nodes ({e0.ranks_per_node} domain ranks per node on {e0.nodes} nodes; per step, both "
+        "directions, bytes sent; exposed: overlap, default step):",
+        f"{'':30}{'peers max':>10}{'mean':>8}{'cross GB/rank':>14}{'total':>9}{'intra GB/rank':>14}{'a2a':>5}"
+        f"{'exchange':>12}{'last wave':>12}{'exposed':>12}",
+    ]
+    for label, r in rows:
+        e = r.exchange
+        lines.append(f"{label:30}{e.peers_max:>10}{e.peers_mean:>8.1f}{e.cross_node_bytes_max / 1e9:>14.3f}"
+                     f"{e.cross_node_bytes_total / 1e9:>9.1f}{e.intra_node_bytes_max / 1e9:>14.3f}"
+                     f"{e.collectives_per_step:>5}{_ms(r.exchange_s):>12}{_ms(r.last_wave_latency_s):>12}"
+                     f"{_ms(r.exposed_barrier_s):>12}")
+    return "\n".join(lines)
+
+
+def _exchange_rows(cfg: SimConfig, result: SimResult, which: str) -> list[tuple[str, SimResult]]:
+    """``--node-exchange``: the run itself, and with ``both`` the other kind (and node-aware on plain homes)."""
+    def label(c: SimConfig) -> str:
+        kind = "node-aware" if c.node_exchange == "node_aware" else "fused"
+        return f"{kind}, {'node' if c.uses_node_homes else 'plain'} homes"
+
+    if result.exchange is None:
+        return []
+    rows = [(label(cfg), result)]
+    one_node = cfg.domain_size == cfg.ranks_per_node  # node-aware is the fused exchange there
+    if which != "both" or one_node or cfg.surplus != "idle" or cfg.domain_size % cfg.ranks_per_node:
+        return rows
+    for homes in [cfg.node_homes] + ([False] if cfg.node_homes is None else []):
+        c = dataclasses.replace(cfg, node_exchange="node_aware", node_homes=homes)
+        rows.append((label(c), simulate(c)))
+    return rows
+
+
+def _exchange_doc(label: str, r: SimResult) -> dict[str, Any]:
+    return {"label": label, "stats": dataclasses.asdict(r.exchange), "exchange_s": r.exchange_s,
+            "last_wave_latency_s": r.last_wave_latency_s, "exposed_barrier_s": r.exposed_barrier_s,
+            "exposed_overlap_s": r.exposed_overlap_s, "exposed_no_overlap_s": r.exposed_no_overlap_s,
+            "step_barrier_s": r.step_barrier_s}
 
 
 def _format_question(qs: list[WaveQuestion]) -> str:
@@ -1269,6 +1605,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--balance", default="lpt", choices=("lpt", "round_robin"))
     ap.add_argument("--no-taper", action="store_true", help="plain waves (no shrinking of the last two)")
     ap.add_argument("--two-stage", action="store_true", help="two-stage all_to_all (remat group, then TP group)")
+    ap.add_argument("--node-exchange", default="both", choices=("fused", "node_aware", "both"),
+                    help="the fused all_to_all in one (fused) or two hops, within then across nodes (node_aware); "
+                         "'both': the run is fused, and the exchange lines compare node_aware (%(default)s)")
+    ap.add_argument("--node-homes", default="auto", choices=("auto", "on", "off"),
+                    help="LPT's ties of load to the least-loaded node, then local index; auto: with node_aware "
+                         "(%(default)s)")
     ap.add_argument("--ns-interference", type=float, default=0.0, help="NS/model contention, 0..1 (%(default)g)")
     ap.add_argument("--surplus", default="idle", choices=("idle", "duplicate", "team", "auto", "all"),
                     help="what a wave's idle homes do (scheduler.surplus); 'all' compares every policy (%(default)s)")
@@ -1320,6 +1662,8 @@ def main(argv: list[str] | None = None) -> int:
             balance=args.balance,
             taper=not args.no_taper,
             fused_a2a=not args.two_stage,
+            node_exchange="node_aware" if args.node_exchange == "node_aware" else "fused",
+            node_homes={"auto": None, "on": True, "off": False}[args.node_homes],
             ns_interference=args.ns_interference,
             surplus="idle" if args.surplus == "all" else args.surplus,
             dp_slots=args.dp_slots,
@@ -1343,6 +1687,10 @@ def main(argv: list[str] | None = None) -> int:
     result = simulate(cfg)
     print(_format_result(cfg, result))
     doc: dict[str, Any] = {"config": dataclasses.asdict(cfg), "result": dataclasses.asdict(result)}
+    exchanges = _exchange_rows(cfg, result, args.node_exchange)
+    if exchanges:
+        print(_format_exchanges(exchanges))
+        doc["exchanges"] = [_exchange_doc(label, r) for label, r in exchanges]
     if args.surplus == "all":
         rows = []
         for d in sorted({1, cfg.dp_slots}):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -164,6 +164,24 @@ def _buffer(buffers: dict | None, name: str, numel: int, dtype: torch.dtype, dev
     return b
 
 
+def _all_to_all(recv: Tensor, send: Tensor, recv_splits: Sequence[int], send_splits: Sequence[int],
+                group: ProcessGroup | None) -> None:
+    """One ``all_to_all_single`` of flat buffers, split sizes in elements ([Note: transport as bytes]; through
+    host memory where the group cannot take the device's tensors)."""
+    es = send.element_size()
+    staged = _host_staged(group, send.device)
+    wire_recv = recv.cpu() if staged else recv
+    dist.all_to_all_single(
+        wire_recv.view(torch.uint8),
+        (send.cpu() if staged else send).view(torch.uint8),
+        output_split_sizes=[s * es for s in recv_splits],
+        input_split_sizes=[s * es for s in send_splits],
+        group=group,
+    )
+    if staged:
+        recv.copy_(wire_recv)
+
+
 def _execute(
     route: _Route,
     inputs: Sequence[Tensor],
@@ -171,29 +189,23 @@ def _execute(
     dtype: torch.dtype,
     device: torch.device,
     buffers: dict | None = None,
+    hops: Any = None,
 ) -> list[Tensor]:
     """Run one planned exchange: pack ``inputs`` into a flat buffer, exchange it, build the results.
 
     ``buffers``: keep the send and receive buffers and the assembled results there and reuse them at the next
-    call with this dict ([Note: reserved exchange buffers]): the previous call's results are overwritten then."""
+    call with this dict ([Note: reserved exchange buffers]): the previous call's results are overwritten then.
+    ``hops``: the route's two-hop transport over nodes (``_nodes.TwoHops``, [Note: node-aware exchange] in
+    ``overlap_muon/domain.py``) instead of one ``all_to_all_single`` over ``group``; the results are the same."""
     with torch.no_grad():
         send = _buffer(buffers, "send", sum(route.send_splits), dtype, device)
-        for p in route.sends:
+        for p in route.sends if hops is None else hops.sends:
             send[p.offset : p.offset + _numel(p.shape)].view(p.shape).copy_(_narrow(inputs[p.tensor], p.region))
         recv = _buffer(buffers, "recv", sum(route.recv_splits), dtype, device)
-        es = send.element_size()
-        # [Note: transport as bytes]
-        staged = _host_staged(group, device)
-        wire_recv = recv.cpu() if staged else recv
-        dist.all_to_all_single(
-            wire_recv.view(torch.uint8),
-            (send.cpu() if staged else send).view(torch.uint8),
-            output_split_sizes=[s * es for s in route.recv_splits],
-            input_split_sizes=[s * es for s in route.send_splits],
-            group=group,
-        )
-        if staged:
-            recv.copy_(wire_recv)
+        if hops is None:
+            _all_to_all(recv, send, route.recv_splits, route.send_splits, group)
+        else:
+            hops.run(send, recv, buffers)
         del send
         results = []
         for j, out in enumerate(route.outs):

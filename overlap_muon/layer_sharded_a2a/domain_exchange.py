@@ -1,7 +1,8 @@
 """The domain API of the routing: ``local_shard``, ``to_homes`` and ``from_homes`` over the ``R x T`` layouts.
 
 They speak the domain's layouts directly. ``fused=False`` runs the two seed stages (``seed_api.py``);
-``fused=True`` does the whole move in one ``all_to_all_single`` over the domain's flat group.
+``fused=True`` does the whole move in one ``all_to_all_single`` over the domain's flat group, or, where the domain
+has node groups, in two hops over nodes with the same results ([Note: node-aware exchange], ``_nodes.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from overlap_muon.domain import Domain
 from overlap_muon.layout import block, block_shape
 
 from ._checks import _check_domain_inputs, _check_pd, _check_results, _Params
+from ._nodes import TwoHops, two_hops
 from ._route import _block_region, _cached, _execute, _mismatch, _Out, _Packer, _Piece, _Route
 from .seed_api import _route_from, _route_to, params_by_home
 
@@ -112,8 +114,8 @@ def to_homes(
     """
     key = _replay_key(plan, fused, shards, homes, partition_dims, full_shapes, domain)
     if key is not None and plan.get("replay_to", (None,))[0] == key:
-        route, mine, meta = plan["replay_to"][1]  # [Note: replayed routes]
-        return _execute(route, shards, domain.flat_group, *meta, buffers), list(mine)
+        route, mine, meta, hops = plan["replay_to"][1]  # [Note: replayed routes]
+        return _execute(route, shards, domain.flat_group, *meta, buffers, hops), list(mine)
     needs = "flat" if fused else "stages"
     p = _check_domain_inputs("to_homes", shards, homes, partition_dims, full_shapes, domain, needs)
     _domain_plan(plan, fused, p, domain)
@@ -124,10 +126,12 @@ def to_homes(
         mine = [i for i, h in enumerate(p.homes) if h == me]
         if R * T == 1 or not shards:
             return [shards[i].contiguous() for i in mine], mine
-        route = _cached(plan, "fused_to", (("op", "fused_to"),), lambda sig: _fused_to(sig, p, domain))
+        sig = (("op", "fused_to"),)
+        route = _cached(plan, "fused_to", sig, lambda sig: _fused_to(sig, p, domain))
+        hops = _hops(plan, "nodes_to", route, domain, lambda at: _fused_to(sig, p, at).send_splits)
         if key is not None:
-            plan["replay_to"] = (key, (route, tuple(mine), (p.dtype, p.device)))
-        return _execute(route, shards, domain.flat_group, p.dtype, p.device, buffers), mine
+            plan["replay_to"] = (key, (route, tuple(mine), (p.dtype, p.device), hops))
+        return _execute(route, shards, domain.flat_group, p.dtype, p.device, buffers, hops), mine
     meta = (p.dtype, p.device)
     coords = [divmod(h, T) for h in p.homes]
     # Stage 1, over the remat group: rows to the home's g. A None-partition param moves only in the remat group
@@ -170,6 +174,19 @@ def to_homes(
 def _remat_length(full: tuple[int, int], pd: int | None, T: int, t: int) -> int:
     """Rows a remat group of TP rank ``t`` splits: TP block ``t``'s rows for partition 0, else all ``P``."""
     return block_shape(full, 0, 1, T, 0, t)[0] if pd == 0 else full[0]
+
+
+def _hops(plan: dict | None, key: str, route: _Route, domain: Domain, mate_sends) -> TwoHops | None:
+    """The fused ``route``'s two-hop transport where ``domain`` spans nodes ([Note: node-aware exchange] in
+    ``overlap_muon/domain.py``), cached in ``plan`` beside the route; ``None``: one flat ``all_to_all``."""
+    if domain.nodes is None:
+        return None
+    got = None if plan is None else plan.get(key)
+    if got is None or got[0] is not route or got[1].groups is not domain.nodes:
+        got = (route, two_hops(route, domain, mate_sends))
+        if plan is not None:
+            plan[key] = got
+    return got[1]
 
 
 def _sub_plan(plan: dict | None, key: str) -> dict | None:
@@ -244,8 +261,8 @@ def from_homes(
                       tuple((tuple(r.shape), r.dtype) for r in ns_results), dtype,
                       None if serve is None else tuple(frozenset(x) for x in serve))
     if key is not None and plan.get("replay_from", (None,))[0] == key:
-        route, meta = plan["replay_from"][1]  # [Note: replayed routes]
-        return _execute(route, ns_results, domain.flat_group, *meta, buffers)
+        route, meta, hops = plan["replay_from"][1]  # [Note: replayed routes]
+        return _execute(route, ns_results, domain.flat_group, *meta, buffers, hops)
     needs = "flat" if fused else "stages"
     p = _check_domain_inputs("from_homes", shards, homes, partition_dims, full_shapes, domain, needs)
     if serve is not None and (not fused or len(serve) != len(shards)):
@@ -262,9 +279,10 @@ def from_homes(
             return list(ns_results)
         sig = (("op", "fused_from"), ("serve", None if serve is None else tuple(tuple(sorted(x)) for x in serve)))
         route = _cached(plan, "fused_from", sig, lambda sig: _fused_from(sig, p, domain, serve))
+        hops = _hops(plan, "nodes_from", route, domain, lambda at: _fused_from(sig, p, at, serve).send_splits)
         if key is not None:
-            plan["replay_from"] = (key, (route, (dtype, p.device)))
-        return _execute(route, ns_results, domain.flat_group, dtype, p.device, buffers)
+            plan["replay_from"] = (key, (route, (dtype, p.device), hops))
+        return _execute(route, ns_results, domain.flat_group, dtype, p.device, buffers, hops)
     coords = [divmod(h, T) for h in p.homes]
     # Stage 2 reversed, over the TP group: the home sends each TP peer its TP block (None: a full copy, since
     # every peer then scatters rows in its own remat group).

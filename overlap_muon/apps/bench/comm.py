@@ -16,6 +16,13 @@ relays: stage 1 moves rows to the home's remat row, ``(1 - 1/R)`` of the matrix,
 assembled TP blocks, ``(1 - 1/T)`` of it, among them the rows that already moved in stage 1. It sends
 ``(2 - 1/R - 1/T) / (1 - 1/(R*T))`` times the ideal: 4/3 on a 2x2 domain, 1 when ``R`` or ``T`` is 1.
 Duplicated sends ``S - 1`` copies of each shard and nothing back: ``S / 2`` times the ideal.
+
+Node-aware (``node_exchange="on"``, the 4 ranks as 2 nodes of 2: [Note: node-aware exchange] in
+``overlap_muon/domain.py``) beside fused: peers per rank (the ranks it sends data to or receives data from, over a
+step) and the bytes that leave the node (sent to a rank of another node). Both exchanges carry the same bytes
+across nodes; the node-aware one adds the first hop inside the node and a second collective per direction, and at
+most ``(L - 1) + (N - 1)`` peers against ``S - 1``: here 2 against 3 (at 4 ranks the bound barely differs; the
+simulator gives the figures at scale, docs/results.md).
 """
 
 from __future__ import annotations
@@ -35,7 +42,11 @@ from .common import (_HP, _CaseResult, _domain_groups, _muon_2d, _Options, _rati
 
 #: The keys of the case's ``ratios`` in the JSON.
 RATIO_KEYS: tuple[str, ...] = ("fused_bytes_over_ideal", "two_stage_bytes_over_ideal", "duplicated_bytes_over_ideal",
-                               "fused_default_bytes_over_ideal")
+                               "fused_default_bytes_over_ideal", "node_aware_bytes_over_ideal",
+                               "node_aware_cross_node_bytes_over_fused", "node_aware_peers_over_fused")
+
+#: The node size the node-aware configuration (and the cross-node count) assumes: 2 nodes of 2 ranks.
+_NODE = 2
 
 
 #: Collectives the counter wraps; the runtime's exchanges use the first ones.
@@ -70,6 +81,8 @@ class _CommCounter:
         self.sent_bytes = 0
         self.data_sent_bytes = 0  # moved by the data collectives (all_to_all / all_gather), not control flags
         self.agreement_sent_bytes = 0  # step()'s host-side agreement (stale waves, gradient presence), kept apart
+        self.peers: set[int] = set()  # global ranks this one sent data to or received data from
+        self.cross_node_bytes = 0  # data sent to ranks of other nodes (node: global rank // _NODE)
 
     def install(self) -> None:
         for name in _COUNTED:
@@ -112,11 +125,13 @@ class _CommCounter:
             nbytes = x.numel() * x.element_size()
             splits = a.get("input_split_sizes")
             me = dist.get_rank(group)
+            row = nbytes // max(1, x.shape[0]) if x.shape[0] else 0
             if splits:
-                row = nbytes // max(1, x.shape[0]) if x.shape[0] else 0
                 sent = nbytes - splits[me] * row
             else:
                 sent = nbytes - nbytes // size
+            self._peers(group, me, [s * row for s in splits] if splits else [nbytes // size] * size,
+                        a.get("output_split_sizes") or [1] * size)
         elif name in ("all_gather_single", "all_gather_into_tensor", "all_gather"):
             x = a.get("input_tensor", a.get("tensor"))
             nbytes = x.numel() * x.element_size()
@@ -138,6 +153,15 @@ class _CommCounter:
                 self.data_sent_bytes += sent
 
 
+    def _peers(self, group: Any, me: int, sent: list[int], received: list[int]) -> None:
+        """Record the peers of one all_to_all (``sent``: bytes to each group rank) and its bytes across nodes."""
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(sent)))
+        mine = ranks[me] // _NODE
+        with self._lock:
+            self.peers |= {ranks[j] for j in range(len(ranks)) if j != me and (sent[j] or received[j])}
+            self.cross_node_bytes += sum(b for j, b in enumerate(sent) if ranks[j] // _NODE != mine)
+
+
 def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps: int) -> dict[str, Any]:
     g, t = divmod(rank, T)
     tp, rm = _domain_groups(R, T, g, t)
@@ -149,6 +173,8 @@ def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps
         "two_stage": dict(mode="layer_sharded", fused_a2a=False, check_grad_presence=False),
         "duplicated": dict(mode="duplicated", check_grad_presence=False),
         "fused_checked": dict(mode="layer_sharded", fused_a2a=True),
+        "node_aware": dict(mode="layer_sharded", fused_a2a=True, check_grad_presence=False, node_exchange="on",
+                           node_size=_NODE),
     }
     optimizers = {}
     shard_bytes = 0
@@ -176,7 +202,11 @@ def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps
                 "sent_bytes_per_step": counter.sent_bytes / steps,
                 "data_sent_bytes_per_step": counter.data_sent_bytes / steps,
                 "agreement_sent_bytes_per_step": counter.agreement_sent_bytes / steps,
+                "peers": len(counter.peers),
+                "cross_node_bytes_per_step": counter.cross_node_bytes / steps,
             }
+            counter.peers = set()
+            counter.cross_node_bytes = 0
     finally:
         counter.uninstall()
         for opt in optimizers.values():
@@ -199,7 +229,8 @@ def run(o: _Options) -> _CaseResult:
                  f"shard_bytes {shard[0]:,} B in bf16)")
     for name, key in (("fused", "fused_bytes_over_ideal"), ("two_stage", "two_stage_bytes_over_ideal"),
                       ("duplicated", "duplicated_bytes_over_ideal"),
-                      ("fused_checked", "fused_default_bytes_over_ideal")):
+                      ("fused_checked", "fused_default_bytes_over_ideal"),
+                      ("node_aware", "node_aware_bytes_over_ideal")):
         sent = [r[name]["data_sent_bytes_per_step"] for r in res]
         mean = sum(sent) / S
         calls = res[0][name]["calls_per_step"]
@@ -214,5 +245,14 @@ def run(o: _Options) -> _CaseResult:
         lines.append(f"{name:<11} {mean:>12,.0f} B sent per rank per step  (per rank {[int(s) for s in sent]}), "
                      f"{ndata:g} collectives (+{nctrl:g} other) per step {calls}; "
                      f"/ ideal = {ratios[key]:.4f}")
+    peers = {n: max(r[n]["peers"] for r in res) for n in ("fused", "node_aware")}
+    cross = {n: sum(r[n]["cross_node_bytes_per_step"] for r in res) for n in ("fused", "node_aware")}
+    ratios["node_aware_cross_node_bytes_over_fused"] = _ratio(cross["node_aware"], cross["fused"])
+    ratios["node_aware_peers_over_fused"] = _ratio(peers["node_aware"], peers["fused"])
+    det["nodes"] = {"node_size": _NODE, "peers_max": peers, "cross_node_bytes_per_step": cross}
+    for n in ("fused", "node_aware"):
+        lines.append(f"{n:<11} as 2 nodes of 2: peers per rank {[r[n]['peers'] for r in res]} (bound "
+                     f"{'S - 1 = 3' if n == 'fused' else '(L-1)+(N-1) = 2'}), bytes leaving the node "
+                     f"{cross[n]:,.0f} B per step over the ranks")
     return _CaseResult(f"bytes and collectives per rank per step, {R}x{T} domain (world {S}), overlap off",
                        ratios, lines, det)

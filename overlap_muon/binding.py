@@ -91,7 +91,7 @@ class ParamBinding:
         comm = builder.make_groups(placed, self.config, self.rank)
         if self.config.warm_up:  # [Note: warm-up] in comm.py
             device = local_tensor(placed.muon[0].param).device if placed.muon else "cpu"
-            opt.stats["warm_up_collectives"] += warm_up(comm, device)
+            opt.stats["warm_up_collectives"] += warm_up(comm, device, self.config.fused_a2a)
         self.domain, self.expert_domain = comm.dom_to, comm.expert[0] if comm.expert else Domain.single()
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         ref = weakref.ref(opt)

@@ -269,19 +269,22 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
     return CommContext(dom_to, dom_from, ctrl, team_group, dp, expert, stages, root)
 
 
-def _groups_to_warm(ctx: CommContext) -> list[tuple[str, ProcessGroup, tuple[str, ...]]]:
-    """Every group of ``ctx`` once, with its (first) name and the collective kinds the runtime runs on it."""
+def _groups_to_warm(ctx: CommContext, fused: bool) -> list[tuple[str, ProcessGroup, tuple[str, ...]]]:
+    """Every group of ``ctx`` once, with its (first) name and the collective kinds the runtime runs on it
+    (``fused``: the exchanges are fused, so the remat and TP groups carry none; the flat group's all_gather is a
+    ring, two peers, and serves gathered waves)."""
     out: list[tuple[str, ProcessGroup | None, tuple[str, ...]]] = []
     doms = [("dense gather lane", ctx.dom_to), ("dense scatter lane", ctx.dom_from)]
     if ctx.expert is not None:
         doms += [("expert gather lane", ctx.expert[0]), ("expert scatter lane", ctx.expert[1])]
         out.append(("expert presence", ctx.expert[2], ("all_to_all",)))
     for lane, d in doms:
-        # With node hops the flat group's all_to_all serves team waves only: connecting it would undo the hops.
+        # Connecting the peers of a group the exchanges do not use would undo the node hops: with them the flat
+        # group's all_to_all serves team waves only; fused, the remat and TP groups serve nothing.
         flat = ("all_to_all", "all_gather") if d.nodes is None or ctx.team is not None else ("all_gather",)
-        out += [(f"{lane} flat", d.flat_group, flat),
-                (f"{lane} remat", d.remat_group, ("all_to_all",)), (f"{lane} TP", d.tp_group, ("all_to_all",)),
-                (f"{lane} control", d.ctrl_group, ("all_to_all",))]
+        stages = () if fused else ("all_to_all",)
+        out += [(f"{lane} flat", d.flat_group, flat), (f"{lane} remat", d.remat_group, stages),
+                (f"{lane} TP", d.tp_group, stages), (f"{lane} control", d.ctrl_group, ("all_to_all",))]
         if d.nodes is not None:
             out += [(f"{lane} node", d.nodes.intra_group, ("all_to_all",)),
                     (f"{lane} across nodes", d.nodes.inter_group, ("all_to_all",))]
@@ -295,19 +298,21 @@ def _groups_to_warm(ctx: CommContext) -> list[tuple[str, ProcessGroup, tuple[str
     return list(merged.values())
 
 
-def warm_up(ctx: CommContext, device: Any) -> int:
+def warm_up(ctx: CommContext, device: Any, fused: bool = True) -> int:
     """[Note: warm-up] Run one small collective of each kind the runtime runs on each of its groups (``ctx``), at
     construction, and return how many ran. NCCL sets a group up, and connects the peers of an ``all_to_all``, at
     their first collective; without this that is the first exchange, launched from a backward hook at peak
     activation memory, where users of distributed Muon report first-step hangs and out-of-memory errors. On gloo it
-    is cheap and exercises the same path. Collective over every rank of every group, in one order.
+    is cheap and exercises the same path. Only the kinds the runtime runs are warmed (``fused``: the exchanges are
+    fused, so the two-stage groups are not), since each connects peers. Collective over every rank of every group,
+    in one order.
 
     Raises:
         RuntimeError: a collective failed; the message names the group, its global ranks and the kind.
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     ran = 0
-    for name, group, kinds in _groups_to_warm(ctx):
+    for name, group, kinds in _groups_to_warm(ctx, fused):
         n = dist.get_world_size(group)
         dev = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(device)
         for kind in kinds:

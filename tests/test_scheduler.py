@@ -657,3 +657,25 @@ def test_plan_hash_bad_input():
         first_plan_difference([], [])
     with pytest.raises(ValueError, match="rank 1 has"):
         first_plan_difference([[1], [1]], [["a"], []])
+
+
+def test_lpt_node_tie_break_moves_only_ties():
+    """[Note: homes that know nodes]: with node_size, equal-load homes go to a diagonal (one per node and per local
+    index before any repeat), and every rank's NS load is plain LPT's (as a multiset: only ties move)."""
+    from overlap_muon.scheduler.homes import lpt_homes
+
+    assert lpt_homes([1.0] * 4, 16, node_size=4) == [0, 5, 10, 15]
+    assert lpt_homes([1.0] * 4, 16) == [0, 1, 2, 3]
+    rng = random.Random(7)
+    for _ in range(50):
+        n, ranks, L = rng.randint(1, 40), rng.choice([4, 8, 16]), rng.choice([2, 4])
+        costs = [float(rng.choice([1, 2, 3, 5])) for _ in range(n)]
+        loads = {}
+        for ns in (None, L):
+            per = [0.0] * ranks
+            for c, h in zip(costs, lpt_homes(costs, ranks, node_size=ns)):
+                per[h] += c
+            loads[ns] = sorted(per)
+        assert loads[None] == loads[L], (costs, ranks, L)
+    with pytest.raises(ValueError):
+        lpt_homes([1.0], 4, node_size=0)

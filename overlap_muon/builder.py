@@ -330,18 +330,22 @@ def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommConte
 def node_size(layouts: list[list[list[int]]] | None, config: OverlapMuonConfig) -> int | None:
     """The global ranks per node for the dense domain's two-hop exchanges (``config.node_exchange``; [Note:
     node-aware exchange] in ``domain.py``), or ``None`` for flat ones: ``"off"``, no fused layer-sharded
-    exchanges, no node size (``node_size`` or ``LOCAL_WORLD_SIZE``), or no domain that spans nodes evenly (which
-    ``"on"`` says). The simulator finds two hops faster wherever the domain spans nodes (docs/results.md, "Nodes at
-    scale"), so ``"auto"`` takes them there too."""
+    exchanges, no node size (``node_size`` or ``LOCAL_WORLD_SIZE``), or domains that do not all span nodes the same
+    way with at least 2 ranks on each (which ``"on"`` says): every replica must plan the same homes, and with one
+    rank per node the second hop is the flat exchange. The simulator finds two hops faster wherever the domain spans
+    nodes (docs/results.md, "Nodes at scale"), so ``"auto"`` takes them there too."""
     if layouts is None or config.node_exchange == "off" or not config.fused_a2a or config.mode != "layer_sharded":
         return None
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     size = config.node_size or (int(local) if local.isdigit() and int(local) > 0 else None)
-    spans = [node_spans([r for row in lay for r in row], size) for lay in layouts] if size else []
-    if config.node_exchange == "on" and not any(spans):
-        warn_user(f"OverlapMuon: node_exchange='on' but no domain spans nodes evenly (node size {size}: pass "
-                  "node_size= or set LOCAL_WORLD_SIZE); the exchanges run flat")
-    return size if any(spans) else None
+    spans = {node_spans([r for row in lay for r in row], size) for lay in layouts} if size else {None}
+    ok = len(spans) == 1 and None not in spans and next(iter(spans))[0] > 1
+    if config.node_exchange == "on" and not ok:
+        warn_user(f"OverlapMuon: node_exchange='on', but with {size} ranks per node (node_size= or LOCAL_WORLD_SIZE) "
+                  f"the domains do not all span nodes with the same number (at least 2) of their ranks on each "
+                  f"(the domains' (ranks per node, nodes): {', '.join(sorted(map(str, spans)))}; None: one node, or "
+                  "uneven); the exchanges run flat")
+    return size if ok else None
 
 
 def qk_clipper(spec: Any, model: nn.Module, p: Placement, comm: CommContext, rank: int,

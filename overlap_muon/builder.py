@@ -330,21 +330,30 @@ def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommConte
 def node_size(layouts: list[list[list[int]]] | None, config: OverlapMuonConfig) -> int | None:
     """The global ranks per node for the dense domain's two-hop exchanges (``config.node_exchange``; [Note:
     node-aware exchange] in ``domain.py``), or ``None`` for flat ones: ``"off"``, no fused layer-sharded
-    exchanges, no node size (``node_size`` or ``LOCAL_WORLD_SIZE``), or domains that do not all span nodes the same
-    way with at least 2 ranks on each (which ``"on"`` says): every replica must plan the same homes, and with one
-    rank per node the second hop is the flat exchange. The simulator finds two hops faster wherever the domain spans
-    nodes (docs/results.md, "Nodes at scale"), so ``"auto"`` takes them there too."""
+    exchanges, no node size (``node_size`` or ``LOCAL_WORLD_SIZE``), node sizes that differ across ranks (nodes of
+    different sizes: said once), or domains that do not all span nodes the same way with at least 2 ranks on each
+    (which ``"on"`` says): every replica must plan the same homes, and with one rank per node the second hop is the
+    flat exchange. The simulator finds two hops faster wherever the domain spans nodes (docs/results.md, "Nodes at
+    scale"), so ``"auto"`` takes them there too. Collective over the default group (the ranks compare their node
+    sizes: each reads its own ``LOCAL_WORLD_SIZE``)."""
     if layouts is None or config.node_exchange == "off" or not config.fused_a2a or config.mode != "layer_sharded":
         return None
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     size = config.node_size or (int(local) if local.isdigit() and int(local) > 0 else None)
+    first = dist.get_rank() == 0
+    sizes = differs_across_ranks(size)
+    if sizes is not None:  # every rank sees the same list, so every rank returns flat
+        if first:
+            warn_user(f"OverlapMuon: the ranks' node sizes differ ({sorted(set(map(str, sizes)))}: LOCAL_WORLD_SIZE "
+                      "or node_size=); nodes of different sizes cannot run the two-hop exchange, so it runs flat")
+        return None
     spans = {node_spans([r for row in lay for r in row], size) for lay in layouts} if size else {None}
     ok = len(spans) == 1 and None not in spans and next(iter(spans))[0] > 1
-    if config.node_exchange == "on" and not ok:
-        warn_user(f"OverlapMuon: node_exchange='on', but with {size} ranks per node (node_size= or LOCAL_WORLD_SIZE) "
-                  f"the domains do not all span nodes with the same number (at least 2) of their ranks on each "
-                  f"(the domains' (ranks per node, nodes): {', '.join(sorted(map(str, spans)))}; None: one node, or "
-                  "uneven); the exchanges run flat")
+    if config.node_exchange == "on" and not ok and first:
+        where = "no node size is known (pass node_size= or set LOCAL_WORLD_SIZE)" if not size else (
+            f"with {size} ranks per node the domains do not all lie on several nodes with the same number, at least "
+            f"2, of their ranks on each node")
+        warn_user(f"OverlapMuon: node_exchange='on', but {where}; the exchanges run flat")
     return size if ok else None
 
 

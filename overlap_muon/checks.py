@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .scheduler import first_plan_difference, param_fingerprints, plan_hash
 from .scheduler.waves import Wave
 
-from .config import OverlapMuonConfig
+from .config import ENV_VARS, OverlapMuonConfig
 from .placement import MuonParam
 
 __all__ = ["raise_everywhere", "check_plan_everywhere", "differs_across_ranks", "option_errors"]
@@ -47,19 +47,33 @@ def differs_across_ranks(value: Any, among: Sequence[int] | None = None) -> list
     return None if all(v == values[0] for v in values) else values
 
 
-def _options(config: OverlapMuonConfig) -> str:
-    return config.describe().replace("(env)", "").replace("(argument)", "").replace("(default)", "")
-
-
 def option_errors(config: OverlapMuonConfig) -> list[str]:
-    """Collective, before the runtime creates its groups (which options decide): a message if the ranks were
-    given different options, else nothing."""
-    per_rank = differs_across_ranks(_options(config))
+    """Collective, before the runtime creates its groups (which options decide): a message naming each option the
+    ranks were given differently, with its values and the ranks of each, else nothing."""
+    values = {f: repr(getattr(config, f)) for f in ENV_VARS}
+    per_rank = differs_across_ranks(values)
     if per_rank is None:
         return []
-    odd = [f"rank {r}: {o}" for r, o in enumerate(per_rank) if o != per_rank[0]]
-    return [f"the ranks were given different options (rank 0: {per_rank[0]}; {'; '.join(odd)}); every rank must pass "
-            "the same arguments and environment"]
+    parts = []
+    for f, var in ENV_VARS.items():
+        by_value: dict[str, list[int]] = {}
+        for r, v in enumerate(per_rank):
+            by_value.setdefault(v[f], []).append(r)
+        if len(by_value) > 1:
+            parts.append(f"{f} ({var}): " + ", ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in by_value.items()))
+    return [f"the ranks were given different options: {'; '.join(parts)}; every rank must pass the same arguments "
+            "and environment"]
+
+
+def _ranks(rs: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for r in rs:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{a[0]}-{a[-1]}" if len(a) > 2 else ", ".join(map(str, a)) for a in runs)
 
 
 def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], plans: Sequence[Any] = (),

@@ -214,7 +214,8 @@ def resolve_config(environ: Mapping[str, str] | None = None, **overrides: Any) -
     for f in _fields():
         var = f.metadata["env"]
         if overrides.get(f.name) is not None:
-            values[f.name] = overrides[f.name]
+            v = overrides[f.name]  # a string option's choice in any case, as in the environment
+            values[f.name] = v.lower() if f.metadata["kind"] is str and isinstance(v, str) else v
             sources[f.name] = "argument"
         elif env.get(var, "").strip() != "":
             values[f.name] = _parse_env(f, env[var])

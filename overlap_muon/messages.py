@@ -64,6 +64,11 @@ RERUN_CAUSES: dict[str, tuple[str, str]] = {
     "grad_edited:collective": ("a collective ({op}) wrote a gradient after backward",
                                "issue it inside backward (a post-accumulate-grad hook) or, for DDP's averaging, build "
                                "OverlapMuon on the DDP model (or call attach_ddp)"),
+    "grad_edited:collective:reduce_scatter": (
+        "a collective ({op}) wrote a gradient after backward: FSDP2 adding each micro-batch's reduced gradient "
+        "into the last one's (the sharded gradients of a module share one buffer, so an add to one is a write to all)",
+        "under gradient accumulation call model.set_requires_gradient_sync(False) before every micro-batch but the "
+        "last (FSDP2 then reduces once, in the last backward; torchtitan does this)"),
     "grad_replaced": ("a gradient was replaced by another tensor after backward (param.grad = ...)", _ON_EDIT),
     "grads_changed": ("a gradient appeared or was set to None after backward (zero_grad(), or a later backward that "
                       "reached other params)", "zero the gradients before backward, not between backward and step()"),
@@ -94,7 +99,8 @@ def rerun_warnings(stats: dict[str, int], seen: dict[str, int], warned: set[str]
         warned.add(cause)
         op = cause.split(":", 1)[1] if ":" in cause else ""
         if op.startswith("collective:"):
-            cause, op = "grad_edited:collective", op.split(":", 1)[1]
+            op = op.split(":", 1)[1]
+            cause = "grad_edited:collective" + (":reduce_scatter" if op.startswith("reduce_scatter") else "")
         what, fix = RERUN_CAUSES.get(cause, RERUN_CAUSES["grad_edited"])
         warn_user(f"OverlapMuon: {new} of {waves} waves re-ran in step() because {what.format(op=op)}; exact, but "
                   f"those waves lost their overlap: {fix}.")

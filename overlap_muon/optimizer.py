@@ -93,9 +93,11 @@ class OverlapMuon(torch.optim.Optimizer):
 
     Attributes:
         domain, expert_domain: this rank's :class:`~overlap_muon.domain.Domain` (``R x T``, coordinates ``g, t``)
-            and its expert domain (``1 x ETP``; ``1 x 1`` without one).
+            and its expert domain (``1 x ETP``; ``1 x 1`` without one); ``domain.nodes``: the two-hop groups where
+            the exchanges run node-aware (``node_exchange``), else ``None``.
         stats: counters: ``ns_matrices`` (NS'd on this rank), ``ns_calls``, ``waves_launched``, ``reruns`` (inputs
-            changed), ``held_backwards`` (launched nothing), ``steps``, ``skipped_steps``, ``clipped_steps``.
+            changed), ``held_backwards`` (launched nothing), ``steps``, ``skipped_steps``, ``clipped_steps``,
+            ``warm_up_collectives`` (run at construction, ``warm_up``).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.

@@ -59,7 +59,7 @@ def test_comm_fused_bytes_equal_the_ideal_formula_exactly(quick_report):
     assert fused["collectives_per_step"] == 2  # one all_to_all_single each way (one wave, overlap off)
     # The default (presence check on): a synchronous step agrees on gradient presence once, in step()'s agreement
     # (counted apart), before it launches its waves, so they add no check of their own.
-    checked = det["fused_checked"]
+    checked = det["fused_default"]
     assert checked["collectives_per_step"] == 2
     assert checked["sent_bytes_per_rank_per_step"] == fused["sent_bytes_per_rank_per_step"]
     # Two-stage relays rows through the home's remat row: (2 - 1/R - 1/T) / (1 - 1/(R*T)) of the ideal (4/3 on

@@ -178,3 +178,19 @@ def test_split_summary_shown_once_without_logging_setup(caplog):
     caplog.set_level(logging.INFO, logger="overlap_muon")
     OverlapMuon(TinyNet(), **HP).close()
     assert any("up.weight" in r.getMessage() for r in caplog.records)  # the table names the params
+
+
+def test_a_rerun_by_fsdp2_accumulation_names_its_fix():
+    """FSDP2's in-place accumulation re-runs the waves through its reduce-scatter: the warning names FSDP2's own
+    switch (set_requires_gradient_sync), not the generic advice for collectives; other collectives keep theirs."""
+    from collections import defaultdict
+
+    from overlap_muon.messages import rerun_warnings
+
+    for op, must in (("reduce_scatter_single", "set_requires_gradient_sync(False)"), ("all_reduce", "attach_ddp")):
+        stats = defaultdict(int, {f"reruns.grad_edited:collective:{op}": 3, "steps": 1})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rerun_warnings(stats, {}, set(), 3)
+        (w,) = [str(c.message) for c in caught]
+        assert "3 of 3 waves re-ran" in w and op in w and must in w, w

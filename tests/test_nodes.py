@@ -75,7 +75,31 @@ def _world4_body(rank, world):
     train = {kind: {(overlap, ex): _train(rank, kind, overlap, ex) for overlap in (False, True)
                     for ex in ("off", "on")} for kind in ("plain", "fsdp_tp")}
     return {"routing": _routing_body(rank, world), "train": train,
-            "warm": [_warm(rank, warm) for warm in (True, False)]}
+            "warm": [_warm(rank, warm) for warm in (True, False)], "mixed": _mixed_node_sizes(rank)}
+
+
+def _mixed_node_sizes(rank):
+    """Nodes of different sizes as each rank sees them (LOCAL_WORLD_SIZE 2 on ranks 0-1, 4 on ranks 2-3): the
+    first pair alone would build two-hop groups, which the others would never join. Every rank must run flat."""
+    import os
+    import warnings
+
+    from tests.models import PlainShardNet, plain_opt
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank < 2 else "4"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            net = PlainShardNet(2, 2, rank // 2, rank % 2)
+            opt = plain_opt(net, 2, 2, rank // 2, rank % 2, overlap=True)
+        cs, _ = net.local_grads(0)
+        net(cs).backward()
+        opt.step()
+        nodes = opt.domain.nodes
+        opt.close()
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    return nodes, [str(w.message) for w in caught if "node sizes differ" in str(w.message)]
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +201,14 @@ def _warm_fails_body(rank, world):
     finally:
         dist.all_to_all_single = real
     return None
+
+
+@pytest.mark.timeout(300)
+def test_nodes_of_different_sizes_run_flat_on_every_rank(world4):
+    """Each rank reads its own LOCAL_WORLD_SIZE: where they differ, the ranks agree to run flat (no rank builds
+    groups the others skip, which would hang), and rank 0 says why, once."""
+    for rank, (nodes, said) in enumerate(r["mixed"] for r in world4):
+        assert nodes is None and len(said) == (rank == 0) and "['2', '4']" in "".join(said or ["['2', '4']"]), said
 
 
 @pytest.mark.timeout(300)

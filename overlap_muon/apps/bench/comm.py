@@ -172,7 +172,7 @@ def _comm_rank(rank: int, world: int, R: int, T: int, layers: int, d: int, steps
         "fused": dict(mode="layer_sharded", fused_a2a=True, check_grad_presence=False),
         "two_stage": dict(mode="layer_sharded", fused_a2a=False, check_grad_presence=False),
         "duplicated": dict(mode="duplicated", check_grad_presence=False),
-        "fused_checked": dict(mode="layer_sharded", fused_a2a=True),
+        "fused_default": dict(mode="layer_sharded", fused_a2a=True),
         "node_aware": dict(mode="layer_sharded", fused_a2a=True, check_grad_presence=False, node_exchange="on",
                            node_size=_NODE),
     }
@@ -229,7 +229,7 @@ def run(o: _Options) -> _CaseResult:
                  f"shard_bytes {shard[0]:,} B in bf16)")
     for name, key in (("fused", "fused_bytes_over_ideal"), ("two_stage", "two_stage_bytes_over_ideal"),
                       ("duplicated", "duplicated_bytes_over_ideal"),
-                      ("fused_checked", "fused_default_bytes_over_ideal"),
+                      ("fused_default", "fused_default_bytes_over_ideal"),
                       ("node_aware", "node_aware_bytes_over_ideal")):
         sent = [r[name]["data_sent_bytes_per_step"] for r in res]
         mean = sum(sent) / S

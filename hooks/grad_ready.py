@@ -60,6 +60,9 @@ class GradReadyTracker:
             thread that called ``backward``).
         on_backward_end: called once at the end of each backward pass in which at least one hook fired while
             the tracker was enabled.
+        settle: while it returns True (a backward that adds into gradients already there), a param whose gradient
+            is a view into a buffer larger than itself is reported only once that buffer is done ([Note: shared
+            gradient buffers]).
 
     Attributes:
         enabled: when False the hooks do nothing (no ``on_ready``, no end callback): set it False for the
@@ -75,10 +78,14 @@ class GradReadyTracker:
         params: Sequence[torch.Tensor],
         on_ready: Callable[[int], None],
         on_backward_end: Callable[[], None] | None = None,
+        settle: Callable[[], bool] | None = None,
     ) -> None:
         self.enabled = True
         self._on_ready = on_ready
         self._on_backward_end = on_backward_end
+        self._settle = settle
+        self._held: list[int] = []  # ready, waiting for their shared buffer to be done
+        self._held_buffer: tuple | None = None
         self._lock = threading.Lock()
         self._queued_task: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -105,9 +112,35 @@ class GradReadyTracker:
                 return
             if self._on_backward_end is not None:
                 self._maybe_queue_end()
-            self._on_ready(i)
+            self._ready(i, _param)
 
         return hook
+
+    def _ready(self, i: int, param: torch.Tensor) -> None:
+        """[Note: shared gradient buffers] FSDP2 reduce-scatters a module's gradients into one buffer and gives each
+        param a view of it; a later backward of the same step adds into those views in place, param after param,
+        calling each param's hook after its own add. The views share one version counter, so the add into the next
+        param (a bias) moves the counter of the one before (its weight), whose wave has already read it: every
+        wave would re-run at ``step()``. While ``settle()`` holds, such a param is held until a hook fires for a
+        param of another buffer (FSDP2 has finished this one) or backward ends."""
+        buf = _shared_buffer(param) if self._settle is not None and self._settle() else None
+        with self._lock:
+            release = self._held if self._held and buf != self._held_buffer else []
+            if release:
+                self._held = []
+            if buf is not None:
+                self._held.append(i)
+                self._held_buffer = buf
+        for j in release:
+            self._on_ready(j)
+        if buf is None:
+            self._on_ready(i)
+
+    def _release_held(self) -> None:
+        with self._lock:
+            release, self._held = self._held, []
+        for j in release:
+            self._on_ready(j)
 
     def _maybe_queue_end(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -126,6 +159,7 @@ class GradReadyTracker:
         if torch._C._current_autograd_node() is not None:
             return
         assert self._on_backward_end is not None
+        self._release_held()
         self._on_backward_end()
 
     @property
@@ -138,6 +172,19 @@ class GradReadyTracker:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _shared_buffer(param: torch.Tensor) -> tuple | None:
+    """The buffer ``param``'s gradient (its local shard, for a DTensor) is a view into, when that buffer holds more
+    than this gradient (``(device, data pointer)``: several params' gradients); else ``None``."""
+    grad = param.grad
+    if grad is None:
+        return None
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    base = local._base
+    if base is None or base.numel() <= local.numel():
+        return None
+    return (base.device, base.untyped_storage().data_ptr())
 
 
 @dataclass

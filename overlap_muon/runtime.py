@@ -159,7 +159,8 @@ class Runtime:
         fix; returns the finalizer of ``owner`` that undoes them."""
         if self.config.overlap and self.muon:
             self.tracker = GradReadyTracker([m.param for m in self.muon], weak_callback(self.on_ready),
-                                            on_backward_end=weak_callback(self.on_backward_end))
+                                            on_backward_end=weak_callback(self.on_backward_end),
+                                            settle=self.backwards.accumulating)
             self.handles.append(self.tracker)
             if self.async_step:  # [Note: the step barrier]: only the asynchronous step needs forward waits
                 self.waits = ForwardWaits(model, self.muon, self.index, self.pipeline, self.handles)

@@ -176,6 +176,10 @@ class BackwardCount:
         """The backward running now comes before the one expected to be the last of the step: launch nothing."""
         return self._seen + 1 < self.expected
 
+    def accumulating(self) -> bool:
+        """The backward running now follows another of the same step: it adds into the gradients that one left."""
+        return self._seen > 0
+
     def backward_ended(self) -> None:
         """A backward pass of this step ended (the gradient-ready hooks' end-of-backward callback)."""
         self._seen += 1

@@ -222,6 +222,52 @@ def test_gradient_accumulation(body, R, T):
     assert not bad, "\n".join(bad)
 
 
+def _fsdp2_accumulation(rank, world):
+    """FSDP2 adds each later micro-batch's reduced gradients into the views of one buffer per module ([Note: shared
+    gradient buffers] in hooks/grad_ready.py): no wave re-runs, NS once per matrix per step from step 2, and the
+    params equal torch's after every step (every rank the same batches: FSDP2's average is the batch's gradient)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.models import ADAMW_KW, full_mismatches, torch_ref_opts
+
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 12), nn.Tanh(), nn.Linear(12, 12))
+    ref, model = copy.deepcopy(full), copy.deepcopy(full)
+    ref_opts = torch_ref_opts(ref)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("remat",))
+    for layer in model[::2]:  # each a weight and a bias in one reduce-scatter buffer, each weight a wave
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, **HP)
+    bad, mats = [], sum(1 for n, p in model.named_parameters() if p.ndim == 2)
+    for s in range(3):
+        before = opt.stats["ns_matrices"]
+        for m, opts in ((model, [opt]), (ref, ref_opts)):
+            for k in range(2):
+                m(torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * s + k))).pow(2).mean().backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        done = _domain_ns(opt, before, world)
+        if s > 0 and done != mats:
+            bad.append(f"step {s}: {done} matrices NS'd, expected {mats}")
+        opt.synchronize()
+        bad += [f"step {s}: {b}" for b in full_mismatches(model, ref)]
+    if opt.stats["reruns"]:
+        bad.append(f"{opt.stats['reruns']} waves re-ran: {dict(opt.stats)}")
+    opt.close()
+    return bad
+
+
+@pytest.mark.timeout(150)
+def test_fsdp2_accumulation_reruns_nothing():
+    bad = [b for r in run_ranks(_fsdp2_accumulation, 2, timeout=130) for b in r]
+    assert not bad, "\n".join(bad)
+
+
 def _captured(rank, world):
     """Every hook fires while the (patched) capture probe says the stream is capturing: nothing launches in
     backward, step() launches it all, bitwise; one warning naming the fix."""

@@ -107,12 +107,12 @@ class GradReadyTracker:
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_param: torch.Tensor) -> None:
+        def hook(param: torch.Tensor) -> None:
             if not self.enabled:
                 return
             if self._on_backward_end is not None:
                 self._maybe_queue_end()
-            self._ready(i, _param)
+            self._ready(i, param)
 
         return hook
 
@@ -123,8 +123,11 @@ class GradReadyTracker:
         param (a bias) moves the counter of the one before (its weight), whose wave has already read it: every
         wave would re-run at ``step()``. While ``settle()`` holds, such a param is held until a hook fires for a
         param of another buffer (FSDP2 has finished this one) or backward ends."""
-        buf = _shared_buffer(param) if self._settle is not None and self._settle() else None
+        settling = self._settle is not None and self._settle()
+        buf = _shared_buffer(param) if settling else None
         with self._lock:
+            if not settling:
+                self._held = []  # a new step's first backward: anything still held belongs to an earlier one
             release = self._held if self._held and buf != self._held_buffer else []
             if release:
                 self._held = []

@@ -101,6 +101,17 @@ def test_params_by_home_uneven_and_errors():
         params_by_home(1, {0: 2}, 2)
 
 
+def test_one_block_is_the_chunk_rule():
+    """layout.block reads one block in O(1) (thousands of ranks ask for one block of every matrix): the same offsets
+    and sizes as the whole chunk_sizes / chunk_offsets lists, uneven and empty blocks included."""
+    from overlap_muon.layout import _chunk, chunk_offsets
+
+    for n in list(range(0, 40)) + [1023, 1024, 8191, 28672]:
+        for parts in (1, 2, 3, 4, 7, 8, 64, 1000, 8192):
+            sizes, offs = chunk_sizes(n, parts), chunk_offsets(n, parts)
+            assert [_chunk(n, parts, i) for i in range(parts)] == list(zip(offs, sizes)), (n, parts)
+
+
 @pytest.mark.parametrize("R,T", [(1, 1), (1, 3), (3, 1), (2, 2), (2, 3), (4, 1), (1, 4)])
 def test_local_shard_matches_layout_definition(R, T):
     """local_shard is exactly the torch.chunk layout of FSDP2 + TP (docs/design.md §2), and the blocks tile."""

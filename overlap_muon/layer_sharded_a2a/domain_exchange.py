@@ -128,7 +128,7 @@ def to_homes(
             return [shards[i].contiguous() for i in mine], mine
         sig = (("op", "fused_to"),)
         route = _cached(plan, "fused_to", sig, lambda sig: _fused_to(sig, p, domain))
-        hops = _hops(plan, "nodes_to", route, domain, lambda at: _fused_to(sig, p, at).send_splits)
+        hops = _hops(plan, "nodes_to", route, domain, lambda at: _to_sends(p, at).splits)
         if key is not None:
             plan["replay_to"] = (key, (route, tuple(mine), (p.dtype, p.device), hops))
         return _execute(route, shards, domain.flat_group, p.dtype, p.device, buffers, hops), mine
@@ -193,8 +193,10 @@ def _sub_plan(plan: dict | None, key: str) -> dict | None:
     return None if plan is None else plan.setdefault(key, {})
 
 
-def _fused_to(sig: tuple, p: _Params, domain: Domain) -> _Route:
-    R, T, t, W, me = domain.remat_size, domain.tp_size, domain.tp_rank, domain.size, domain.flat_rank
+def _to_sends(p: _Params, domain: Domain) -> _Packer:
+    """What the rank at ``domain``'s coordinates sends in a fused ``to_homes`` (its route's send side alone: the
+    node-aware exchange reads its node-mates' splits from it)."""
+    R, T, t, W = domain.remat_size, domain.tp_size, domain.tp_rank, domain.size
     by_home = params_by_home(len(p.homes), p.homes, W)
     send = _Packer(W)
     for h in range(W):
@@ -203,6 +205,13 @@ def _fused_to(sig: tuple, p: _Params, domain: Domain) -> _Route:
                 continue
             b = block(p.full[i], p.pds[i], R, T, domain.remat_rank, t)
             send.add(h, i, (b[1], b[3]), ())
+    return send
+
+
+def _fused_to(sig: tuple, p: _Params, domain: Domain) -> _Route:
+    R, T, t, W, me = domain.remat_size, domain.tp_size, domain.tp_rank, domain.size, domain.flat_rank
+    by_home = params_by_home(len(p.homes), p.homes, W)
+    send = _to_sends(p, domain)
     recv = _Packer(W)
     pieces: dict[int, list[_Piece]] = {i: [] for i in by_home[me]}
     for s in range(W):
@@ -279,7 +288,7 @@ def from_homes(
             return list(ns_results)
         sig = (("op", "fused_from"), ("serve", None if serve is None else tuple(tuple(sorted(x)) for x in serve)))
         route = _cached(plan, "fused_from", sig, lambda sig: _fused_from(sig, p, domain, serve))
-        hops = _hops(plan, "nodes_from", route, domain, lambda at: _fused_from(sig, p, at, serve).send_splits)
+        hops = _hops(plan, "nodes_from", route, domain, lambda at: _from_sends(p, at, serve).splits)
         if key is not None:
             plan["replay_from"] = (key, (route, (dtype, p.device), hops))
         return _execute(route, ns_results, domain.flat_group, dtype, p.device, buffers, hops)
@@ -323,17 +332,25 @@ def from_homes(
     )
 
 
-def _fused_from(sig: tuple, p: _Params, domain: Domain, serve: Sequence[frozenset[int]] | None = None) -> _Route:
+def _from_sends(p: _Params, domain: Domain, serve: Sequence[frozenset[int]] | None = None) -> _Packer:
+    """What the rank at ``domain``'s coordinates sends in a fused ``from_homes`` (the send side alone)."""
     R, T, W, me = domain.remat_size, domain.tp_size, domain.size, domain.flat_rank
-    by_home = params_by_home(len(p.homes), p.homes, W)
+    mine = [i for i, h in enumerate(p.homes) if h == me]
     send = _Packer(W)
     for d in range(W):
         gd, td = divmod(d, T)
-        for k, i in enumerate(by_home[me]):
+        for k, i in enumerate(mine):
             if serve is not None and d not in serve[i]:
                 continue
             b = block(p.full[i], p.pds[i], R, T, gd, td)
             send.add(d, k, (b[1], b[3]), _block_region(b))
+    return send
+
+
+def _fused_from(sig: tuple, p: _Params, domain: Domain, serve: Sequence[frozenset[int]] | None = None) -> _Route:
+    R, T, W, me = domain.remat_size, domain.tp_size, domain.size, domain.flat_rank
+    by_home = params_by_home(len(p.homes), p.homes, W)
+    send = _from_sends(p, domain, serve)
     recv = _Packer(W)
     outs: list[_Out | None] = [None] * len(p.homes)
     for s in range(W):

@@ -51,12 +51,12 @@ def _routing_body(rank, world):
             shards = [local_shard(f, pd, flat) for f, pd in zip(fulls, cpds)]
             got, counts = {}, {}
             for name, dom in (("flat", flat), ("nodes", hopped)):
-                plan = {}
-                for _ in range(2):  # the second call replays the route
+                plan, kept_to, kept_from = {}, {}, {}
+                for _ in range(2):  # the second call replays the route, in the buffers the first one reserved
                     with _Count() as c:
-                        mats, idx = to_homes(shards, homes, cpds, cshapes, dom, fused=True, plan=plan, buffers={})
+                        mats, idx = to_homes(shards, homes, cpds, cshapes, dom, fused=True, plan=plan, buffers=kept_to)
                         back = from_homes([m * 3 for m in mats], idx, shards, homes, cpds, cshapes, dom, fused=True,
-                                          plan=plan, serve=serve)
+                                          plan=plan, serve=serve, buffers=kept_from)
                     got[name] = [m.clone() for m in mats] + [b.clone() for b in back]
                 counts[name] = c.a2a
                 if name == "nodes":

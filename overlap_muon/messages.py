@@ -65,10 +65,10 @@ RERUN_CAUSES: dict[str, tuple[str, str]] = {
                                "issue it inside backward (a post-accumulate-grad hook) or, for DDP's averaging, build "
                                "OverlapMuon on the DDP model (or call attach_ddp)"),
     "grad_edited:collective:reduce_scatter": (
-        "a collective ({op}) wrote a gradient after backward: FSDP2 adding each micro-batch's reduced gradient "
-        "into the last one's (the sharded gradients of a module share one buffer, so an add to one is a write to all)",
-        "under gradient accumulation call model.set_requires_gradient_sync(False) before every micro-batch but the "
-        "last (FSDP2 then reduces once, in the last backward)"),
+        "a collective ({op}) wrote a gradient after backward (under FSDP2 gradient accumulation: its in-place add of "
+        "a micro-batch's reduced gradients)",
+        "issue it inside backward; under FSDP2 gradient accumulation, call model.set_requires_gradient_sync(False) "
+        "before every micro-batch but the last (FSDP2 then reduces once, in the last backward)"),
     "grad_replaced": ("a gradient was replaced by another tensor after backward (param.grad = ...)", _ON_EDIT),
     "grads_changed": ("a gradient appeared or was set to None after backward (zero_grad(), or a later backward that "
                       "reached other params)", "zero the gradients before backward, not between backward and step()"),

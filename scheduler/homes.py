@@ -36,7 +36,8 @@ def lpt_homes(
     """Longest Processing Time first: heaviest matrix to the least loaded rank.
 
     Items are taken in order of ``(-cost, index)``; each goes to the rank with the smallest
-    ``(load, rank)``, whose load then grows by the item's cost.
+    ``(load, rank)``, whose load then grows by the item's cost. Graham's bound: the max load is at most
+    ``4/3 - 1/(3*num_ranks)`` times the optimum (Graham, "Bounds on multiprocessing timing anomalies", 1969).
 
     [Note: homes that know nodes] With ``node_size`` (ranks ``[n*L, (n+1)*L)`` form node ``n``), ties of load are
     broken by the load of the rank's node, then by the load of its local index ``rank % L`` over all nodes, then
@@ -46,8 +47,7 @@ def lpt_homes(
     node-aware exchange (``layer_sharded_a2a/_nodes.py``) funnels every node's traffic through the first local
     indices; the node-aware order places homes on a diagonal ``(node n, local n mod L)``, one per node and per
     local index before any repeats. Where no loads tie (waves with more matrices than ranks) the homes are plain
-    LPT's. Graham's bound: the max load is at most
-    ``4/3 - 1/(3*num_ranks)`` times the optimum (Graham, "Bounds on multiprocessing timing anomalies", 1969).
+    LPT's.
 
     Args:
         costs: per-item cost (any unit, e.g. FLOPs from :func:`scheduler.cost.ns_flops`), each finite, >= 0.

@@ -121,20 +121,23 @@ class ForwardWaits:
             return
         model = self._model_ref()
         if model is not None and type(model).__module__.startswith("torch.nn."):
-            # torch.compile wraps a torch.nn class's whole __call__ (its hooks included) instead of its forward
+            # torch.compile wraps a torch.nn class's whole __call__ (its hooks included), not only its forward; since
+            # torch 2.14 so does module.compile() of a torch.nn class
             raise RuntimeError(
-                f"OverlapMuon (async_step=True): torch.compile(model) of a torch.nn {type(model).__name__} traces the "
-                "model's forward hooks too (torch compiles a torch.nn class's whole __call__, not only its forward), "
-                "so no forward wait can run eagerly and the compiled forward could read weights before their update "
-                "lands. Use model.compile() (the hooks then run eagerly), compile its children, or the default "
-                "async_step=False (no forward waits)."
+                f"OverlapMuon (async_step=True): compiling a torch.nn module (the model is a torch.nn "
+                f"{type(model).__name__}) traces its forward hooks too: torch.compile(module) of a torch.nn class "
+                "compiles its whole __call__, and since torch 2.14 so does module.compile(). No forward wait can then "
+                "run eagerly and the compiled forward could read weights before their update lands. Compile modules "
+                "of your own classes (block.compile() for each block), use model.compile() on torch 2.13, or use the "
+                "default async_step=False (no forward waits)."
             )
         raise RuntimeError(
             "OverlapMuon (async_step=True): torch.compile traces a module's forward wait, but no compiled module of "
             "the model ran its wait eagerly first (the model is compiled from outside, e.g. torch.compile of a "
-            "function that calls it), so the compiled forward could read weights before their update lands. Supported: "
-            "per-block block.compile() / torch.compile(block), model.compile(), and torch.compile(model) of a model "
-            "class of your own; or use the default async_step=False (no forward waits)."
+            "function that calls it, or a compiled torch.nn class such as nn.Linear, whose hooks torch 2.14 traces "
+            "under module.compile() too), so the compiled forward could read weights before their update lands. "
+            "Supported: per-block block.compile() / torch.compile(block) and model.compile() / torch.compile(model) "
+            "of classes of your own; or use the default async_step=False (no forward waits)."
         )
 
     def register_wait(self, module: nn.Module, params: Iterable[Tensor]) -> None:

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from .messages import warn_user
-from .ns import _schedule, adjusted_lr
+from .ns import ADJUST_LR_FNS, _schedule, adjusted_lr
 
 
 __all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update", "CommitAtApply",
@@ -66,7 +66,7 @@ def check_hyperparameters(
 
     Raises:
         ValueError: a tensor ``lr`` with more than one element, a negative ``lr``/``momentum``/``weight_decay``/
-            ``eps``, an unknown ``adjust_lr_fn``, or malformed ``ns_coefficients``/``ns_steps``.
+            ``eps``, an ``adjust_lr_fn`` not in :data:`~overlap_muon.ns.ADJUST_LR_FNS`, or malformed ``ns_coefficients``/``ns_steps``.
     """
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
@@ -76,7 +76,7 @@ def check_hyperparameters(
         raise ValueError(f"momentum should be >= 0 but is: {momentum}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
-    if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+    if adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"eps should be >= 0 but is: {eps}")

@@ -16,7 +16,7 @@ from torch import Tensor
 from .layout import GRAM_MIN_ASPECT, gram_wins
 
 
-__all__ = ["zeropower", "zeropower_each", "adjusted_lr", "gram_zeropower", "gram_wins",
+__all__ = ["zeropower", "zeropower_each", "adjusted_lr", "ADJUST_LR_FNS", "gram_zeropower", "gram_wins",
            "DEFAULT_NS_COEFFICIENTS", "SYRK_BLOCK", "GRAM_MIN_ASPECT", "GRAM_RESTARTS", "sym_gram", "sym_poly", "split_ns"]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -296,18 +296,27 @@ def zeropower(
     return x
 
 
+# The adjustments torch.optim.Muon knows as of torch 2.14 (2.13 lacks "spectral_unclamped"; OverlapMuon accepts it
+# on every torch).
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
+
+
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, full_shape: Sequence[int]) -> float:
     """``torch.optim.Muon``'s learning-rate adjustment, always on the FULL logical ``(P, Q)`` shape.
 
     ``None``/``"original"``: ``lr * sqrt(max(1, P/Q))`` (Keller Jordan); ``"match_rms_adamw"``:
-    ``lr * 0.2 * sqrt(max(P, Q))`` (Moonshot, "Muon is Scalable for LLM Training", arXiv:2502.16982). Any other
-    value gives ratio 1.0, as ``torch.optim._muon._adjust_lr`` does (``check_hyperparameters`` rejects them).
+    ``lr * 0.2 * sqrt(max(P, Q))`` (Moonshot, "Muon is Scalable for LLM Training", arXiv:2502.16982);
+    ``"spectral_unclamped"`` (torch 2.14): ``lr * sqrt(P/Q)``, the spectral scaling of Bernstein's "Deriving Muon",
+    not clamped below at 1. Any other value gives ratio 1.0, as ``torch.optim._muon._adjust_lr`` does
+    (``check_hyperparameters`` rejects them).
     """
     A, B = full_shape[0], full_shape[1]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         ratio = math.sqrt(max(1, A / B))
     elif adjust_lr_fn == "match_rms_adamw":
         ratio = 0.2 * math.sqrt(max(A, B))
+    elif adjust_lr_fn == "spectral_unclamped":
+        ratio = math.sqrt(A / B)
     else:
         ratio = 1.0
     return lr * ratio

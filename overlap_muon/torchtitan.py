@@ -46,7 +46,8 @@ class OverlapMuonContainer(OptimizersContainer):
         nesterov: bool = True
         ns_steps: int = 5
         adjust_lr_fn: str | None = None
-        """``torch.optim.Muon``'s: ``None`` (its default), ``"original"`` or ``"match_rms_adamw"``."""
+        """``torch.optim.Muon``'s: ``None`` (its default), ``"original"``, ``"match_rms_adamw"`` or
+        ``"spectral_unclamped"`` (torch 2.14's; accepted on every torch)."""
         adamw: dict[str, Any] = field(default_factory=lambda: dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
                                                                    weight_decay=0.1))
         """The AdamW part's keyword arguments (``torch.optim.AdamW``'s)."""

@@ -379,33 +379,64 @@ def test_expert_layout_mistakes_are_reported():
         assert kind == "ok" and ok is True, (kind, ok)
 
 
-def _qwen3_moe_tp_body(rank, world, overlap):
-    """Hugging Face's Qwen3-MoE (tiny) under its own TP plan on a 1-D ``("tp",)`` mesh of 2 CPU ranks: the fused
-    ``experts.gate_up_proj`` ``(E, 2I, H)`` is ``_StridedShard(1, split_factor=2)`` (``packed_colwise``), each
-    rank holding its block of the gate half and of the up half; ``down_proj`` is ``Shard(2)``. Synthetic
-    gradients (the same full values on every rank), then OverlapMuon against torch.optim.Muon on every full matrix,
-    one process."""
-    import transformers
+def _qwen3_moe_model(world: int, layout: str) -> tuple[nn.Module, dict[str, torch.Tensor], object]:
+    """A tiny Qwen3-MoE's params on a 1-D ``("tp",)`` mesh: ``"hf"``, Hugging Face's model class under its own
+    stock TP plan (whatever the installed release places); ``"built"``, the fused expert layout of transformers'
+    ``packed_colwise`` plan built here with ``distribute_tensor`` (``gate_up_proj`` ``(E, 2I, H)``
+    ``_StridedShard(1, split_factor=2)``, ``down_proj`` ``(E, H, I)`` ``Shard(2)``, a dense ``Shard(0)`` weight),
+    the same local shards as transformers 5.24 gives, with no transformers needed."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    if layout == "hf":
+        import transformers
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=24,
+                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                             num_experts=4, num_experts_per_tok=2)
+        model = Qwen3MoeForCausalLM(cfg)
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        tp_plan, _, _ = model._resolve_parallel_plans(transformers.DistributedConfig(tp_size=world))
+        apply_tensor_parallelism(model, mesh, tp_plan)  # HF's placements, the local shards chunked from `full`
+        return model, full, mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    full = {"model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16),
+            "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 48, 16),
+            "model.layers.0.mlp.experts.down_proj": torch.randn(4, 16, 24)}
+    pls = [[Shard(0)], [_StridedShard(1, split_factor=2)], [Shard(2)]]
+    model = nn.Module()
+    for (n, t), pl in zip(full.items(), pls):
+        *path, leaf = n.split(".")
+        owner = model
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, nn.Parameter(distribute_tensor(t.clone(), mesh, pl, src_data_rank=None)))
+    return model, full, mesh
+
+
+def _qwen3_moe_tp_body(rank, world, overlap, layout, expect):
+    """Synthetic gradients (the same full values on every rank), then OverlapMuon against torch.optim.Muon on every
+    full matrix, one process. ``expect``: the expert layout the test process found (``"strided"``: each rank holds
+    its block of the gate half and of the up half; ``"replicated"``: every rank holds every expert whole)."""
     from torch.distributed.tensor import DTensor
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     from tests.models import set_grad
 
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=24,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_experts=4,
-                         num_experts_per_tok=2)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg)
-    full = {n: p.detach().clone() for n, p in model.named_parameters()}
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    tp_plan, _, _ = model._resolve_parallel_plans(transformers.DistributedConfig(tp_size=world))
-    apply_tensor_parallelism(model, mesh, tp_plan)  # HF's placements, the local shards chunked from `full`
+    model, full, mesh = _qwen3_moe_model(world, layout)
     named = dict(model.named_parameters())
     gate_up = named["model.layers.0.mlp.experts.gate_up_proj"]
-    pl = gate_up.placements[0]
-    assert type(pl).__name__ == "_StridedShard" and (pl.dim, pl.split_factor) == (1, 2), gate_up.placements
+    if expect == "strided":
+        pl = gate_up.placements[0]
+        assert type(pl).__name__ == "_StridedShard" and (pl.dim, pl.split_factor) == (1, 2), gate_up.placements
+    else:
+        assert not isinstance(gate_up, DTensor), gate_up.placements
     opt = OverlapMuon(model, device_mesh=mesh, tp_dim="tp", expert_mesh=mesh, etp_dim="tp",
                       experts="model.layers.*.mlp.experts.*_proj", overlap=overlap, **HP)
     ref = {}
@@ -437,20 +468,52 @@ def _qwen3_moe_tp_body(rank, world, overlap):
     return bad, sorted(n for n in ref if "gate_up" in n)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("overlap", [False, True])
-def test_hf_qwen3_moe_strided_gate_up_etp2_bitwise(overlap):
-    """Hugging Face's stock TP plan for Qwen3-MoE shards the fused expert ``gate_up_proj`` as
-    ``_StridedShard(dim=1, split_factor=2)`` (gate and up halves each split over TP). Bug: refused ("expected
-    Shard(1), Shard(2) or Replicate"). Now each home assembles the true ``(2I, H)`` matrix from both ranks'
-    interleaved pieces ([Note: strided expert rows] in ``overlap_muon/split.py``): world 2, ETP 2, the real model
-    class and its own plan (``transformers.distributed.tensor_parallel.apply_tensor_parallelism``), every expert and
-    dense Muon matrix ``torch.equal`` to one process's torch.optim.Muon. ``2I = 48 > H = 16``: NS's Gram sums over
-    the rows in their order, so rows left in the assembled (interleaved) order fail this test (checked)."""
-    pytest.importorskip("transformers", reason="transformers is not installed (Hugging Face's Qwen3-MoE TP plan)")
-    for bad, names in run_ranks(_qwen3_moe_tp_body, 2, overlap, timeout=200):
+def _check_qwen3_moe(overlap: bool, layout: str, expect: str) -> None:
+    for bad, names in run_ranks(_qwen3_moe_tp_body, 2, overlap, layout, expect, timeout=200):
         assert names == [f"model.layers.0.mlp.experts.gate_up_proj[{e}]" for e in range(4)], names
         assert not bad, bad
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_strided_gate_up_etp2_bitwise(overlap):
+    """The fused expert ``gate_up_proj`` sharded ``_StridedShard(dim=1, split_factor=2)`` (gate and up halves each
+    split over TP, transformers' ``packed_colwise``), built on a CPU mesh by the test itself. Bug: refused
+    ("expected Shard(1), Shard(2) or Replicate"). Now each home assembles the true ``(2I, H)`` matrix from both
+    ranks' interleaved pieces ([Note: strided expert rows] in ``overlap_muon/split.py``): world 2, ETP 2, every expert
+    and dense Muon matrix ``torch.equal`` to one process's torch.optim.Muon. ``2I = 48 > H = 16``: NS's Gram sums
+    over the rows in their order, so rows left in the assembled (interleaved) order fail this test (checked)."""
+    _check_qwen3_moe(overlap, "built", "strided")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hf_qwen3_moe_tp_plan_bitwise(overlap):
+    """Hugging Face's Qwen3-MoE under its own stock TP plan, as the installed release places it (transformers
+    5.24: the strided fused experts above; 5.25 moved the experts to ``base_model_ep_plan``, so its TP plan leaves
+    them replicated on every rank): every expert and dense Muon matrix ``torch.equal`` to torch.optim.Muon."""
+    pytest.importorskip("transformers", reason="transformers is not installed (Hugging Face's Qwen3-MoE TP plan)")
+    from tests.upstream import qwen3_moe_expert_layout
+
+    _check_qwen3_moe(overlap, "hf", qwen3_moe_expert_layout())
+
+
+def test_upstream_layout_change_is_one_line(monkeypatch):
+    """An upstream release that changes the layout a test builds on fails that test with one line naming the
+    package, its version and the change (here: a Qwen3-MoE TP plan rule for the experts that no release had)."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    import transformers
+    from transformers import Qwen3MoeConfig
+
+    from tests.upstream import qwen3_moe_expert_layout
+
+    plan = dict(Qwen3MoeConfig.base_model_tp_plan, **{"layers.*.mlp.experts.gate_up_proj": "some_new_rule"})
+    monkeypatch.setattr(Qwen3MoeConfig, "base_model_tp_plan", plan)
+    with pytest.raises(pytest.fail.Exception) as info:
+        qwen3_moe_expert_layout()
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"upstream changed: transformers {transformers.__version__}: "), msg
+    assert "some_new_rule" in msg and not info.value.pytrace, msg
 
 
 def _efsdp_model(mesh, pl, full):

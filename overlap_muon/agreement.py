@@ -75,10 +75,37 @@ class Agreement:
                     st.h_pack.settle()  # the pack records what it reads ([Note: a wave's reads])
         why = ["discarded" if w.index not in pending else self.stale(pending[w.index], hyper, state) if validate
                else None for w in waves]
+        if validate:
+            why = self._content(waves, pending, why)
         if self.ctrl_group is not None and not agreed:
             flags = self.presence([0 if c is None else 1 for c in why], in_flight)
             why = [c or ("other_rank" if f else None) for c, f in zip(why, flags)]
         return why
+
+    @staticmethod
+    def _content(waves: list[Any], pending: dict[int, WaveState], why: list[str | None]) -> list[str | None]:
+        """``why`` with ``"content"`` for each wave the records found unchanged whose bytes differ now ([Note:
+        content fingerprints] in ``fingerprint.py``): one host read of every wave's flag together (on CUDA, one
+        sync per step)."""
+        checks: list[tuple[int, Tensor]] = []
+        for k, w in enumerate(waves):
+            st = pending.get(w.index)
+            if why[k] is not None or st is None or st.h_pack is None or not st.items:
+                continue
+            st.h_pack.settle()
+            if st.reads.fp is None:
+                continue  # a pack that failed (its error surfaces with the wave's)
+            if st.h_pack.event is not None:
+                st.h_pack.wait()  # CUDA: the current stream after the pack's fingerprint
+            checks.append((k, st.reads.content_changed()))
+        if not checks:
+            return why
+        flags = torch.stack([c.to(checks[0][1].device) for _, c in checks]).tolist()
+        out = list(why)
+        for (k, _), changed in zip(checks, flags):
+            if changed:
+                out[k] = "content"
+        return out
 
     def adamw_elsewhere(self) -> set[int]:
         """``id``s of the AdamW params that had a gradient on another rank and not on this one at the last step's

@@ -75,6 +75,10 @@ RERUN_CAUSES: dict[str, tuple[str, str]] = {
     "hyper": ("a momentum or NS setting (momentum, nesterov, ns_coefficients, ns_steps, eps) changed after backward",
               "change it before backward (lr and weight_decay are read in step() and re-run nothing)"),
     "state": ("the optimizer state was replaced or edited after backward", "load or edit it before backward"),
+    "content": ("a gradient or momentum buffer changed after backward by a write no record sees (a .data edit, "
+                "a numpy or DLPack view, set_(), a collective called from C++ such as DDP's reducer or a "
+                "ProcessGroup method; caught by its bytes)", "make the write inside backward or before it, or, "
+                "for DDP, build OverlapMuon on the DDP model (or call attach_ddp)"),
     "discarded": ("the waves backward launched were dropped before step() (load_state_dict(), a re-bound param)",
                   "do that before backward"),
     "extra_backward": ("a backward ran after the one the optimizer expected to be the step's last (the accumulation "

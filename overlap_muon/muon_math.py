@@ -66,7 +66,8 @@ def check_hyperparameters(
 
     Raises:
         ValueError: a tensor ``lr`` with more than one element, a negative ``lr``/``momentum``/``weight_decay``/
-            ``eps``, an ``adjust_lr_fn`` not in :data:`~overlap_muon.ns.ADJUST_LR_FNS`, or malformed ``ns_coefficients``/``ns_steps``.
+            ``eps``, an ``adjust_lr_fn`` not in :data:`~overlap_muon.ns.ADJUST_LR_FNS`, or malformed
+            ``ns_coefficients``/``ns_steps``.
     """
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")

@@ -17,7 +17,8 @@ from .layout import GRAM_MIN_ASPECT, gram_wins
 
 
 __all__ = ["zeropower", "zeropower_each", "adjusted_lr", "ADJUST_LR_FNS", "gram_zeropower", "gram_wins",
-           "DEFAULT_NS_COEFFICIENTS", "SYRK_BLOCK", "GRAM_MIN_ASPECT", "GRAM_RESTARTS", "sym_gram", "sym_poly", "split_ns"]
+           "DEFAULT_NS_COEFFICIENTS", "SYRK_BLOCK", "GRAM_MIN_ASPECT", "GRAM_RESTARTS", "sym_gram", "sym_poly",
+           "split_ns"]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 

@@ -115,7 +115,7 @@ class WavePipeline:
         items = [i for i in wave.params if self.muon[i].param.grad is not None]
         grads = [self.muon[i].param.grad for i in items]
         how = CommitAtPack() if committed else KeepForApply() if self.keep_momentum else CommitAtApply()
-        reads = Reads(hyper, self.state, [self.muon[i] for i in items], grads)
+        reads = Reads(hyper, self.state, [self.muon[i] for i in items], grads, self.config.content_check)
         st = WaveState(wave, items, hyper, grads, reads=reads, momentum=how)
         if committed:
             create_momentum(self.state, [self.muon[i] for i in items])

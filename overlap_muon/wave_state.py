@@ -31,8 +31,9 @@ host part ran at launch).
 
 What no record can see: writes that move no version counter (``Tensor.data`` edits, which have a counter of their
 own by design; memory shared through ``numpy()``, DLPack or ``set_``; a collective reached from C++, through
-``torch.ops.c10d``, or a ``torch.distributed`` function imported by name before the optimizer was built). Those are
-documented as unsupported (docs/usage.md, "Gradient clipping and in-place gradient edits").
+``torch.ops.c10d``, or a ``torch.distributed`` function imported by name before the optimizer was built). So the
+records do not decide alone: the pack takes a fingerprint of the bytes it reads, and the commit compares it where
+the records saw nothing ([Note: content fingerprints] in ``fingerprint.py``; ``content_check``).
 
 [Note: release on time] in ``pipeline.py`` says who releases what, and when.
 """
@@ -50,6 +51,7 @@ from .exchanges import Leg
 from .lanes import LaneHandle
 from .placement import MuonParam, local_tensor
 from .scheduler.waves import Wave
+from .fingerprint import fingerprint
 from .version_fix import wait_in_flight, writer_of
 
 __all__ = ["Hyper", "Reads", "versions", "WaveState", "EarlyRelease", "LateRelease"]
@@ -94,10 +96,13 @@ class Reads:
         grads: their gradients as ``param.grad`` holds them (DTensor or shard).
     """
 
-    __slots__ = ("hyper", "state", "grads", "entries", "bufs", "buf_versions")
+    __slots__ = ("hyper", "state", "grads", "entries", "bufs", "buf_versions", "content", "fp", "read_tensors")
 
-    def __init__(self, hyper: Hyper, state: Any, mps: Sequence[MuonParam], grads: Sequence[Tensor]) -> None:
-        self.hyper, self.state = hyper, state
+    def __init__(self, hyper: Hyper, state: Any, mps: Sequence[MuonParam], grads: Sequence[Tensor],
+                 content: bool = True) -> None:
+        self.hyper, self.state, self.content = hyper, state, content
+        self.fp: Tensor | None = None
+        self.read_tensors: list[Tensor | None] = []
         self.grads = [(g, versions(g)) for g in grads]
         self.entries = [state.get(m.param) for m in mps]
         self.bufs = [e.get("momentum_buffer") if e else None for e in self.entries]
@@ -109,9 +114,10 @@ class Reads:
         self.buf_versions = [versions(b) if b is not None else None for b in self.bufs]
 
     def read(self, state: Any, mps: Sequence[MuonParam]) -> tuple[list[Tensor], list[Tensor]]:
-        """Record the momentum buffers' counters, wait for collectives still writing the gradients, then read: the
-        local gradient shards and committed momentum shards of ``mps`` (zeros before a param's first step, made
-        without inserting a key: the state is the user's until ``step()``).
+        """Record the momentum buffers' counters, wait for collectives still writing the gradients, take the
+        fingerprint of their bytes (``content``), then read: the local gradient shards and committed momentum
+        shards of ``mps`` (zeros before a param's first step, made without inserting a key: the state is the
+        user's until ``step()``).
 
         Returns:
             ``(grads, bufs)``: local shards, in ``mps`` order.
@@ -123,9 +129,21 @@ class Reads:
         grads = [g for g, _ in self.grads]
         wait_in_flight(grads)
         local = [m.local(g) for m, g in zip(mps, grads)]
-        out = [m.local(b) if b is not None else torch.zeros_like(g, memory_format=torch.preserve_format)
-               for m, b, g in zip(mps, bufs, local)]
+        local_bufs = [m.local(b) if b is not None else None for m, b in zip(mps, bufs)]
+        if self.content:  # before the pack reads them: a write during the read then differs at commit
+            self.read_tensors = local + local_bufs
+            self.fp = fingerprint(self.read_tensors)
+        out = [b if b is not None else torch.zeros_like(g, memory_format=torch.preserve_format)
+               for b, g in zip(local_bufs, local)]
         return local, out
+
+    def content_changed(self) -> Tensor | None:
+        """A 0-d bool tensor on the tensors' device: the bytes the pack read differ now ([Note: content
+        fingerprints] in ``fingerprint.py``); ``None`` when not checked (no fingerprint taken). The caller has
+        checked the identities (:meth:`change`) and made the current stream wait for the pack."""
+        if self.fp is None:
+            return None
+        return (fingerprint(self.read_tensors) != self.fp).any()
 
     def change(self, state: Any, hyper: Hyper, mps: Sequence[MuonParam]) -> str | None:
         """What the wave would read differently now (``None``: nothing): a key of ``messages.RERUN_CAUSES``, or

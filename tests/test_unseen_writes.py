@@ -1,0 +1,149 @@
+"""Writes no record sees, between backward and ``step()``: each loop is one users write (PyTorch's distributed
+tutorial, ``vector_to_parameters``, collectives below the wrapped names, DDP built after the optimizer), compared
+with ``torch.equal`` against ``torch.optim.Muon`` + ``torch.optim.AdamW`` after every step. The records (version
+counters, wrapped functions) miss them all; the commit's content check catches them by their bytes ([Note: content
+fingerprints] in ``overlap_muon/fingerprint.py``). Each was silent before it (checked on the code without it)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.dist_utils import run_ranks
+from tests.models import TinyNet
+from tests.test_wave_inputs import MODES, _diff, _opt, _pair, _ref_opts, _run
+
+
+def _grads(m: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in m.parameters() if p.grad is not None]
+
+
+def _edit(kind: str):
+    """A write to every gradient between backward and ``step()`` that moves no version counter."""
+    def edit(m, opts, s):
+        if kind == "data":  # .data has a version counter of its own
+            for g in _grads(m):
+                g.data.mul_(0.5)
+        elif kind == "vector_to_parameters":  # torch's own helper: assigns .data
+            gs = _grads(m)
+            vec = torch.nn.utils.parameters_to_vector(gs)
+            torch.nn.utils.vector_to_parameters(vec * 0.5, gs)
+        elif kind == "numpy":  # the planted write: no code of the optimizer names numpy
+            for g in _grads(m):
+                g.numpy()[...] *= 0.5
+    return edit
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["data", "vector_to_parameters", "numpy"])
+def test_unrecorded_gradient_writes_are_caught(kind, mode):
+    """``g.data.mul_``, ``vector_to_parameters`` and (planted, caught with no code written for it) an in-place
+    write through ``g.numpy()``: every wave re-runs, bitwise equal to torch after every step."""
+    model, opt, ref, ref_opts = _pair(mode)
+    assert _run(model, opt, ref, ref_opts, after_backward=_edit(kind)) is None
+    assert opt.stats["reruns.content"] > 0, dict(opt.stats)
+    opt.close()
+
+
+@pytest.mark.timeout(120)
+def test_content_check_off_misses_them():
+    """``content_check=False`` leaves the records alone, and they miss a ``.data`` write: the case this check
+    exists for (the same loop as above, no re-run, a difference from torch)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    opt, ref_opts = _opt("default", model, content_check=False), _ref_opts(ref)
+    assert _run(model, opt, ref, ref_opts, after_backward=_edit("data")) is not None
+    assert opt.stats["reruns"] == 0
+    opt.close()
+
+
+def _collective_body(rank, world, kind, mode):
+    """Data parallelism by hand after backward, through a path the optimizer does not wrap."""
+    from torch.distributed import distributed_c10d
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    opt, ref_opts = _opt(mode, model), _ref_opts(ref)
+    pg = distributed_c10d._get_default_group()
+
+    def average(m, opts, s):
+        for g in _grads(m):
+            if kind == "tutorial":  # PyTorch's "Writing Distributed Applications with PyTorch"
+                dist.all_reduce(g.data, op=dist.ReduceOp.SUM)
+                g.data /= world
+            elif kind == "c10d_module":
+                distributed_c10d.all_reduce(g)
+            else:  # a ProcessGroup method: C++ below every Python name
+                pg.allreduce([g]).wait()
+
+    xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(50 * s + rank)) for s in range(4)]
+    bad = _run(model, opt, ref, ref_opts, after_backward=average, xs=xs)
+    opt.synchronize()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    others = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(others, flat)
+    out = bad, opt.stats["reruns"], all(torch.equal(o, others[0]) for o in others)
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["tutorial", "c10d_module", "process_group"])
+def test_gradients_averaged_below_the_wrapped_names(kind, mode):
+    """``dist.all_reduce(g.data)`` + ``g.data /= world``, ``distributed_c10d.all_reduce(g)``, and
+    ``ProcessGroup.allreduce([g]).wait()`` after backward, on 2 ranks: re-runs, bitwise equal to torch, replicas
+    equal."""
+    for bad, reruns, replicas_equal in run_ranks(_collective_body, 2, kind, mode, timeout=200):
+        assert bad is None, bad
+        assert reruns > 0 and replicas_equal
+
+
+def _ddp_later_body(rank, world, variant, mode):
+    """DDP (``gradient_as_bucket_view=True``) built after the optimizer, not attached; two micro-batches per step,
+    without ``no_sync()`` (``"accumulate"``) or with it and ``zero_grad(set_to_none=False)`` (``"no_sync"``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = TinyNet()
+    ref = copy.deepcopy(base)
+    opt, ref_opts = _opt(mode, base), _ref_opts(ref)
+    pairs = ((DDP(base, gradient_as_bucket_view=True), [opt]), (DDP(ref, gradient_as_bucket_view=True), ref_opts))
+    xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(30 * s + rank)) for s in range(8)]
+    first_bad = None
+    for s in range(4):
+        for ddp, opts in pairs:
+            for micro in range(2):
+                quiet = variant == "no_sync" and micro == 0
+                with ddp.no_sync() if quiet else contextlib.nullcontext():
+                    ddp(xs[2 * s + micro]).pow(2).mean().backward()
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad(set_to_none=variant != "no_sync")
+        opt.wait_for(base.parameters())
+        bad = _diff(base, ref)
+        if bad and first_bad is None:
+            first_bad = (s, bad)
+    opt.synchronize()
+    out = first_bad, opt.stats["reruns"]
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("variant", ["accumulate", "no_sync"])
+def test_ddp_built_after_the_optimizer(variant, mode):
+    """DDP's C++ reducer writes the bucket views after a wave has read them: caught by their bytes, bitwise equal
+    to torch after every step (the replicas diverged by up to 8e-3 before)."""
+    for bad, _reruns in run_ranks(_ddp_later_body, 2, variant, mode, timeout=200):
+        assert bad is None, bad

@@ -150,6 +150,13 @@ class ParamBinding:
         self.runtime.discard()
         foreign, lists, moved = follow_groups(opt.param_groups, self._bound[1], self.names,
                                                       dict(self.model.named_parameters()))
+        counts = [f for f in foreign if f.startswith("param group ")]
+        if counts:
+            raise ValueError(
+                f"OverlapMuon: params left or joined their param group after construction: {counts[:4]}. OverlapMuon "
+                "plans its params, homes and waves once; to stop training a param, keep it in its group and leave "
+                "its gradient None (requires_grad_(False)): a param without a gradient is skipped, as torch does. "
+                "To change the set of params, build a new OverlapMuon")
         if foreign:
             raise ValueError(
                 f"OverlapMuon: the param groups hold params that are not the model's: {foreign[:8]}; the optimizer "
@@ -198,7 +205,10 @@ def follow_groups(groups: list[dict[str, Any]], bound: list[list[int]], names: d
     for gi, group in enumerate(groups):
         was = bound[gi] if gi < len(bound) else []
         if len(group["params"]) != len(was):
-            foreign.append(f"param group {gi} has {len(group['params'])} params, {len(was)} when it was built")
+            now = {id(p) for p in group["params"]}
+            left = [names.get(i, f"an unnamed param (position {k})") for k, i in enumerate(was) if i not in now]
+            foreign.append(f"param group {gi} has {len(group['params'])} params, {len(was)} when it was built"
+                           + (f" ({left[:4]} left it)" if left else ""))
             continue
         new = []
         for old_id, p in zip(was, group["params"]):

@@ -251,6 +251,7 @@ class OverlapMuon(torch.optim.Optimizer):
             if reruns or self.stats["reruns.extra_backward"]:
                 rerun_warnings(self.stats, *self._warned_reruns, len(self._rt.waves))
             if self._adamw is not None and ok:
+                self._adamw.param_groups = self.param_groups[1:]  # the dicts param_groups holds now (replaceable)
                 self._adamw.step()
                 init_adamw_state(self.param_groups[1:], self._state, self._rt.adamw_elsewhere())
             self._rt.finish()

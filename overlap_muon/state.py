@@ -55,18 +55,22 @@ def checkpoint_errors(
 ) -> list[str]:
     """Why ``state_dict`` does not fit an optimizer with Muon params ``muon`` and param ``groups`` (empty: it fits).
 
-    Checked: the Muon param names, full shapes and partition dims (when the checkpoint records them), the number of
-    groups and of params per group, and that every per-element state tensor has its param's shape.
+    Checked, by position as torch matches a checkpoint's params: the Muon params' full shapes and partition dims
+    (when the checkpoint records them; names may differ, e.g. ``weight`` saved before pruning and ``weight_orig``
+    after it, and are only reported), the number of groups and of params per group, and that every per-element
+    state tensor has its param's shape.
     """
     errors = []
     meta = state_dict.get("overlap_muon")
     if meta is not None:
         mine = [(m.name, list(m.full_shape), m.partition_dim) for m in muon]
         theirs = [(n, list(s), d) for n, s, d in meta["muon_params"]]
-        if theirs != mine:
-            diff = [f"{a} vs {b}" for a, b in zip(theirs, mine) if a != b][:3]
-            errors.append(f"checkpoint has {len(theirs)} Muon params, this optimizer {len(mine)}; first differences "
-                          f"(checkpoint vs this): {diff or 'lengths differ'}")
+        diff = [f"Muon param {i}: {a[0]!r} {tuple(a[1])} partition dim {a[2]} in the checkpoint, {b[0]!r} "
+                f"{tuple(b[1])} partition dim {b[2]} here" for i, (a, b) in enumerate(zip(theirs, mine))
+                if a[1:] != b[1:]]
+        if len(theirs) != len(mine) or diff:
+            errors.append(f"checkpoint has {len(theirs)} Muon params, this optimizer {len(mine)}; first differences: "
+                          f"{diff[:3] or 'lengths differ'}")
     saved = state_dict.get("param_groups", [])
     if len(saved) != len(groups):
         return errors + [f"checkpoint has {len(saved)} param groups, this optimizer {len(groups)}"]

@@ -147,3 +147,79 @@ def test_ddp_built_after_the_optimizer(variant, mode):
     to torch after every step (the replicas diverged by up to 8e-3 before)."""
     for bad, _reruns in run_ranks(_ddp_later_body, 2, variant, mode, timeout=200):
         assert bad is None, bad
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# param_groups is the groups; a param that left its group; checkpoints matched by position
+# ---------------------------------------------------------------------------------------------------------------
+def _regroup(kind: str):
+    """Between backward and ``step()``: horovod's LR scaling replaces a group dict; DeepSpeed-style code rebinds
+    the whole list to new dicts."""
+    def edit(m, opts, s):
+        for o in opts:
+            if kind == "replace_dict":  # the AdamW group: OverlapMuon's last, the reference AdamW's only one
+                if not isinstance(o, torch.optim.Muon):
+                    o.param_groups[-1] = dict(o.param_groups[-1], lr=o.param_groups[-1]["lr"] * 0.5)
+            else:
+                o.param_groups = [dict(g, lr=g["lr"] * 0.5) for g in o.param_groups]
+    return edit
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["replace_dict", "rebind_list"])
+def test_param_groups_replaced_are_followed(kind, mode):
+    """Bug: the Muon part followed a replaced group dict or list, the inner AdamW kept the dicts of construction
+    time and their old lr (silent)."""
+    model, opt, ref, ref_opts = _pair(mode)
+    assert _run(model, opt, ref, ref_opts, after_backward=_regroup(kind)) is None
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_param_that_left_its_group_is_named():
+    """Bug: removing a param from its group said the groups hold "params that are not the model's"."""
+    model, opt, ref, ref_opts = _pair("default")
+    _run(model, opt, ref, ref_opts, steps=1)
+    opt.param_groups[-1]["params"] = opt.param_groups[-1]["params"][:-1]
+    model(torch.randn(4, 12)).sum().backward()
+    with pytest.raises(ValueError, match=r"left or joined their param group.*'out.weight'|left or joined.*left it"):
+        opt.step()
+    opt.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["prune", "parametrize"])
+def test_checkpoint_after_pruning_loads_by_position(how, tmp_path):
+    """Bug: a checkpoint saved after pruning (or ``parametrize``) mid-training did not load into a model pruned the
+    same way ("``down.weight`` vs ``down.weight_orig``"); torch matches by position and resumes bitwise, and so
+    does OverlapMuon now. A real mismatch names position, names and shapes."""
+    from torch.nn.utils import parametrize, prune
+
+    from tests.test_wave_inputs import X, _Doubled
+
+    def change(m: nn.Module) -> None:
+        if how == "prune":
+            prune.l1_unstructured(m.down, "weight", amount=0.3)
+        else:
+            parametrize.register_parametrization(m.down, "weight", _Doubled())
+
+    model, opt, ref, ref_opts = _pair("default")
+    assert _run(model, opt, ref, ref_opts, steps=1) is None
+    for m in (model, ref):
+        change(m)
+    assert _run(model, opt, ref, ref_opts, steps=2) is None
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    opt.close()
+    torch.manual_seed(1)
+    fresh = TinyNet()
+    change(fresh)
+    fresh.load_state_dict(saved_model)
+    opt2 = _opt("default", fresh)
+    opt2.load_state_dict(saved_opt)
+    assert _run(fresh, opt2, ref, ref_opts, steps=2, xs=X[2:]) is None
+    bad = copy.deepcopy(saved_opt)
+    bad["overlap_muon"]["muon_params"][2] = ("down.weight", [3, 3], None)
+    with pytest.raises(ValueError, match=r"Muon param 2: 'down.weight' \(3, 3\).*here"):
+        opt2.load_state_dict(bad)
+    opt2.close()

@@ -85,7 +85,7 @@ class Agreement:
     @staticmethod
     def _content(waves: list[Any], pending: dict[int, WaveState], why: list[str | None]) -> list[str | None]:
         """``why`` with ``"content"`` for each wave the records found unchanged whose bytes differ now ([Note:
-        content fingerprints] in ``fingerprint.py``): one host read of every wave's flag together (on CUDA, one
+        content fingerprints] in ``wave_state.py``): one host read of every wave's flag together (on CUDA, one
         sync per step)."""
         checks: list[tuple[int, Tensor]] = []
         for k, w in enumerate(waves):

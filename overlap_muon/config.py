@@ -127,7 +127,7 @@ class OverlapMuonConfig:
     content_check: bool = _opt(True, "OVERLAP_MUON_CONTENT_CHECK", kind=bool)
     """``step()`` compares the bytes of every gradient and momentum buffer a wave read during backward with their
     bytes now, and re-runs the wave on any difference, whoever wrote them ([Note: content fingerprints] in
-    ``fingerprint.py``). ``False``: the records alone decide (identities, version counters, wrapped collectives),
+    ``wave_state.py``). ``False``: the records alone decide (identities, version counters, wrapped collectives),
     which miss the writers listed in docs/usage.md ("Writes the records miss")."""
     check_grad_presence: bool = _opt(True, "OVERLAP_MUON_CHECK_GRAD_PRESENCE", kind=bool)
     """Each wave agrees, over the runtime's gloo group, on which params have a gradient (host flags only)."""

@@ -343,13 +343,17 @@ def test_load_mismatched_muon_shape_is_value_error_and_changes_nothing():
 
 
 @pytest.mark.timeout(60)
-def test_load_renamed_param_is_value_error_and_changes_nothing():
+def test_load_renamed_param_loads_by_position_as_torch():
+    """A Muon param renamed in the checkpoint (pruning saves ``weight_orig`` where the model had ``weight``) loads:
+    torch matches a checkpoint by position and shape, not name. A different shape is refused, naming both."""
     model, opt = _trained_tiny()
     _, other = _trained_tiny(seed=1)
     sd = other.state_dict()
     meta = sd["overlap_muon"]["muon_params"]
     meta[0] = ("layers.0.up.weight",) + tuple(meta[0][1:])
-    _assert_rejected(opt, model, sd, r"layers\.0\.up\.weight")
+    opt.load_state_dict(sd)
+    meta[0] = ("layers.0.up.weight", [5, 5], meta[0][2])
+    _assert_rejected(opt, model, sd, r"Muon param 0: 'layers\.0\.up\.weight' \(5, 5\)")
     opt.close()
     other.close()
 

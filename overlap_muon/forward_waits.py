@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .placement import MuonParam
 from .hooks import compile_boundary, fsdp_param_streams, params_read_by_module, register_forward_waits, weak_callback
@@ -85,6 +86,15 @@ class ForwardWaits:
         self._on_traced_cb = weak_callback(self.on_traced)
         hooked = [mod for mod in model.modules() if self._subtree[id(mod)]]
         self._handles += register_forward_waits(hooked, weak_callback(self.wait_module), self._on_traced_cb)
+        # Pruning and parametrizations re-register a weight (weight_orig, parametrizations.weight.original) right
+        # before they read it for a mask or a right-inverse: that read must see the landed update.
+        self._handles.append(register_module_parameter_registration_hook(weak_callback(self.on_registered)))
+
+    def on_registered(self, module: nn.Module, name: str, param: Any) -> None:
+        """Any module registers ``param`` (``torch.nn.utils.prune``, ``parametrize``): wait for its update."""
+        if param is not None and id(param) in self.index.first:
+            ids = self.index.of_tensors([param])
+            self._pipeline.wait(self.index.waves_of(ids))
 
     def wait_module(self, module: nn.Module) -> None:
         """Forward pre-hook body: wait for the waves of ``module``'s params, and of the modules FSDP2 will

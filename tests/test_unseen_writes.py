@@ -223,3 +223,31 @@ def test_checkpoint_after_pruning_loads_by_position(how, tmp_path):
     with pytest.raises(ValueError, match=r"Muon param 2: 'down.weight' \(3, 3\).*here"):
         opt2.load_state_dict(bad)
     opt2.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# async_step: pruning or a parametrization right after step() reads the landed update
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["prune", "parametrize"])
+def test_async_step_prune_after_step_reads_the_update(how):
+    """Bug: under ``async_step``, ``prune.l1_unstructured`` right after ``step()`` made its mask from the weights
+    before their update (differing from torch everywhere from then on, no re-run). Pruning and parametrizations
+    re-register the weight before they read it; that registration now waits for its update."""
+    from torch.nn.utils import parametrize, prune
+
+    from tests.seams import TestingSeam
+    from tests.test_wave_inputs import _Doubled
+
+    model, opt, ref, ref_opts = _pair("async_step", seam=TestingSeam(ns_delay_s=0.05))
+
+    def change(m, opts, s):
+        if s == 1:
+            for lin in (m.up, m.gate, m.down):
+                if how == "prune":
+                    prune.l1_unstructured(lin, "weight", amount=0.5)
+                else:
+                    parametrize.register_parametrization(lin, "weight", _Doubled())
+
+    assert _run(model, opt, ref, ref_opts, after_step=change) is None
+    opt.close()

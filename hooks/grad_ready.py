@@ -49,8 +49,9 @@ class GradReadyTracker:
     (``torch._C._current_graph_task_id``) tells "first in this backward" apart, so an aborted backward cannot
     leave a stale "already queued" flag. With reentrant activation checkpointing (``use_reentrant=True``) the
     hooks of params inside a checkpointed region run in a nested graph task; its end is not the end of backward
-    (the engine still reports the enclosing checkpoint node as the current node), so it is ignored and the
-    outermost graph task's end fires ``on_backward_end``.
+    (the engine still reports the enclosing checkpoint node as the current node), so it queues the callback on
+    the enclosing task instead (a post-hook of that node), and the outermost graph task's end fires
+    ``on_backward_end``.
 
     Args:
         params: the params to watch; index ``i`` is the position in this sequence. A tensor listed twice (tied
@@ -87,7 +88,7 @@ class GradReadyTracker:
         self._held: list[int] = []  # ready, waiting for their shared buffer to be done
         self._held_buffer: tuple | None = None
         self._lock = threading.Lock()
-        self._queued_task: int | None = None
+        self._queued_tasks: set[int] = set()  # graph tasks holding our end callback (nested ones included)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         seen: set[int] = set()
         checked: list[tuple[int, torch.Tensor]] = []
@@ -150,20 +151,30 @@ class GradReadyTracker:
         if task == -1:
             return  # not inside a backward (a hook invoked by hand): nothing to queue on
         with self._lock:
-            if self._queued_task == task:
+            if task in self._queued_tasks:
                 return
-            self._queued_task = task
+            self._queued_tasks.add(task)
         Variable._execution_engine.queue_callback(self._end_of_graph_task)
 
     def _end_of_graph_task(self) -> None:
         # A reentrant checkpoint runs a nested backward inside an outer node; its graph task ends while the outer
         # backward still has gradients to produce. There the engine still reports the outer node as current, so
-        # only the outermost graph task's end counts as "end of backward".
-        if torch._C._current_autograd_node() is not None:
+        # only the outermost graph task's end counts as "end of backward": the nested end hands the callback to
+        # the outer task, through a post-hook of the outer node (it runs in the outer task once the node is done;
+        # when every hooked param sits in a checkpointed region, no hook of ours fires in the outer task itself).
+        outer = torch._C._current_autograd_node()
+        if outer is not None:
+            outer.register_hook(self._after_nested)
             return
         assert self._on_backward_end is not None
+        with self._lock:
+            self._queued_tasks.clear()  # ids are never reused; an aborted backward's stay until here
         self._release_held()
         self._on_backward_end()
+
+    def _after_nested(self, _grad_inputs: Any, _grad_outputs: Any) -> None:
+        if self.enabled:
+            self._maybe_queue_end()
 
     @property
     def num_hooks(self) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-__all__ = ["GradReadyTracker", "ddp_readiness_hook", "attach_ddp_readiness", "weak_callback"]
+__all__ = ["EndOfBackward", "GradReadyTracker", "ddp_readiness_hook", "attach_ddp_readiness", "weak_callback"]
 
 
 def weak_callback(method: Callable) -> Callable:
@@ -30,6 +30,46 @@ def weak_callback(method: Callable) -> Callable:
         return None if m is None else m(*args)
 
     return call
+
+
+class EndOfBackward:
+    """Runs ``callback`` once at the end of each backward pass in which :meth:`arm` was called ([Note: end of
+    backward]): :meth:`arm` queues it on the current graph task (once per task); a nested task's end (a reentrant
+    checkpoint) hands it to the enclosing task, so only the outermost task's end runs it. With ``last``, it runs
+    after every end-of-backward callback queued before the outermost task's end (DDP's). ``arm`` outside a
+    backward does nothing."""
+
+    def __init__(self, callback: Callable[[], None], last: bool = False) -> None:
+        self._callback, self._last = callback, last
+        self._lock = threading.Lock()
+        self._tasks: set[int] = set()  # graph tasks holding the callback (nested ones included)
+        self.enabled = True
+
+    def arm(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1 or not self.enabled:
+            return  # not inside a backward (a hook invoked by hand): nothing to queue on
+        with self._lock:
+            if task in self._tasks:
+                return
+            self._tasks.add(task)
+        Variable._execution_engine.queue_callback(self._end_of_graph_task)
+
+    def _end_of_graph_task(self) -> None:
+        # A reentrant checkpoint runs a nested backward inside an outer node; its graph task ends while the outer
+        # backward still has gradients to produce. There the engine still reports the outer node as current: the
+        # callback moves to the outer task through a post-hook of that node, which runs in the outer task once the
+        # node is done (when every watched param sits in a checkpointed region, nothing else arms the outer task).
+        outer = torch._C._current_autograd_node()
+        if outer is not None:
+            outer.register_hook(lambda *_: self.arm())
+            return
+        with self._lock:
+            self._tasks.clear()  # ids are never reused; an aborted backward's stay until here
+        if self._last:  # after every callback queued so far (DDP's finalize_backward, which waits its buckets)
+            Variable._execution_engine.queue_callback(self._callback)
+            return
+        self._callback()
 
 
 class GradReadyTracker:
@@ -51,7 +91,7 @@ class GradReadyTracker:
     hooks of params inside a checkpointed region run in a nested graph task; its end is not the end of backward
     (the engine still reports the enclosing checkpoint node as the current node), so it queues the callback on
     the enclosing task instead (a post-hook of that node), and the outermost graph task's end fires
-    ``on_backward_end``.
+    ``on_backward_end`` (:class:`EndOfBackward`, which DDP's readiness hook uses too).
 
     Args:
         params: the params to watch; index ``i`` is the position in this sequence. A tensor listed twice (tied
@@ -88,7 +128,7 @@ class GradReadyTracker:
         self._held: list[int] = []  # ready, waiting for their shared buffer to be done
         self._held_buffer: tuple | None = None
         self._lock = threading.Lock()
-        self._queued_tasks: set[int] = set()  # graph tasks holding our end callback (nested ones included)
+        self._end = EndOfBackward(self._backward_ended) if on_backward_end is not None else None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         seen: set[int] = set()
         checked: list[tuple[int, torch.Tensor]] = []
@@ -111,8 +151,8 @@ class GradReadyTracker:
         def hook(param: torch.Tensor) -> None:
             if not self.enabled:
                 return
-            if self._on_backward_end is not None:
-                self._maybe_queue_end()
+            if self._end is not None:
+                self._end.arm()
             self._ready(i, param)
 
         return hook
@@ -146,35 +186,10 @@ class GradReadyTracker:
         for j in release:
             self._on_ready(j)
 
-    def _maybe_queue_end(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if task == -1:
-            return  # not inside a backward (a hook invoked by hand): nothing to queue on
-        with self._lock:
-            if task in self._queued_tasks:
-                return
-            self._queued_tasks.add(task)
-        Variable._execution_engine.queue_callback(self._end_of_graph_task)
-
-    def _end_of_graph_task(self) -> None:
-        # A reentrant checkpoint runs a nested backward inside an outer node; its graph task ends while the outer
-        # backward still has gradients to produce. There the engine still reports the outer node as current, so
-        # only the outermost graph task's end counts as "end of backward": the nested end hands the callback to
-        # the outer task, through a post-hook of the outer node (it runs in the outer task once the node is done;
-        # when every hooked param sits in a checkpointed region, no hook of ours fires in the outer task itself).
-        outer = torch._C._current_autograd_node()
-        if outer is not None:
-            outer.register_hook(self._after_nested)
-            return
-        assert self._on_backward_end is not None
-        with self._lock:
-            self._queued_tasks.clear()  # ids are never reused; an aborted backward's stay until here
+    def _backward_ended(self) -> None:
         self._release_held()
+        assert self._on_backward_end is not None
         self._on_backward_end()
-
-    def _after_nested(self, _grad_inputs: Any, _grad_outputs: Any) -> None:
-        if self.enabled:
-            self._maybe_queue_end()
 
     @property
     def num_hooks(self) -> int:
@@ -206,6 +221,8 @@ class _DDPReadinessState:
     on_ready: Callable[[list[int]], None]
     param_index: dict[int, int]
     process_group: dist.ProcessGroup | None
+    on_bucket: Callable[[], None] | None = None
+    """Called as each bucket's hook starts, on the autograd thread (:meth:`EndOfBackward.arm`)."""
     user_hook: Callable | None = None
     """The user's own comm hook, registered after ours (:func:`attach_ddp_readiness`); it reduces instead of ours."""
     user_state: object = None
@@ -218,6 +235,8 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _ddp_readiness_comm_hook(
     state: _DDPReadinessState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
+    if state.on_bucket is not None:
+        state.on_bucket()
     buf = bucket.buffer()
     params = bucket.parameters()
     watched: list[tuple[torch.Tensor, int]] = []
@@ -254,7 +273,7 @@ def _ddp_readiness_comm_hook(
 
 
 def attach_ddp_readiness(ddp_model: torch.nn.Module, on_ready: Callable[[list[int]], None],
-                         param_index: dict[int, int]) -> bool:
+                         param_index: dict[int, int], on_backward_end: Callable[[], None] | None = None) -> bool:
     """Register :func:`ddp_readiness_hook` on ``ddp_model`` and chain the comm hook the user registers after it.
 
     DDP's reducer takes one comm hook per model. Ours goes in, and ``ddp_model.register_comm_hook`` (on the
@@ -263,14 +282,19 @@ def attach_ddp_readiness(ddp_model: torch.nn.Module, on_ready: Callable[[list[in
     raises DDP's own ``RuntimeError``). Called again on the same model (the optimizer re-bound to replaced
     params), the registered hook is pointed at the new ``on_ready`` and ``param_index``.
 
+    ``on_backward_end`` runs once at the end of each backward in which a bucket's hook ran (:class:`EndOfBackward`),
+    after DDP's own end-of-backward work (which waits for every bucket's hook, so ``on_ready`` has run by then).
+
     Returns:
         False when the model already has another comm hook (registered before ours; then nothing is changed).
     """
+    arm = EndOfBackward(on_backward_end, last=True).arm if on_backward_end is not None else None
     prior = getattr(ddp_model.__dict__.get("register_comm_hook"), "readiness", None)
     if prior is not None:
-        prior.on_ready, prior.param_index = on_ready, dict(param_index)
+        prior.on_ready, prior.param_index, prior.on_bucket = on_ready, dict(param_index), arm
         return True
     state, hook = ddp_readiness_hook(on_ready, param_index, process_group=ddp_model.process_group)
+    state.on_bucket = arm
     try:
         ddp_model.register_comm_hook(state, hook)
     except RuntimeError as e:

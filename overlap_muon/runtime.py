@@ -183,7 +183,8 @@ class Runtime:
             self.tracker.remove()
             self.tracker = None
         on_ready = weak_callback(self.on_ready)
-        if not attach_ddp_readiness(ddp_model, lambda idx: [on_ready(i) for i in idx], dict(self.index.first)):
+        if not attach_ddp_readiness(ddp_model, lambda idx: [on_ready(i) for i in idx], dict(self.index.first),
+                                    weak_callback(self.on_ddp_backward_end)):
             warn_user("OverlapMuon: this DDP model already has a comm hook (DDP takes one), so the waves launch in "
                       "step() and nothing overlaps; register your comm hook after OverlapMuon(ddp_model), which "
                       "chains it, to keep the overlap")
@@ -227,6 +228,13 @@ class Runtime:
             self.pipeline.stats["held_backwards"] += 1
         elif self.phase is not StepPhase.ACCUMULATING and self.config.overlap:
             self.dispatcher.flush()
+
+    def on_ddp_backward_end(self) -> None:
+        """Under an attached DDP: count the backward (learned accumulation), launch nothing (an unused param's
+        gradient appears only in DDP's own end-of-backward work: ``step()`` flushes)."""
+        if self.config.learn_accumulation and self.backwards.holds():
+            self.pipeline.stats["held_backwards"] += 1
+        self.backwards.backward_ended()
 
     def _captured(self) -> None:
         """[Note: CUDA graph capture] A backward captured in a CUDA graph (torchtitan's default: its

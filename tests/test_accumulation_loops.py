@@ -73,3 +73,48 @@ def test_reentrant_checkpointing_learns_the_accumulation(mode):
     assert ns[1:] == [len(mats)] * (STEPS - 1), ns
     assert opt.stats["held_backwards"] == STEPS - 1
     opt.close()
+
+
+def _ddp_attached_body(rank, world, mode):
+    """``OverlapMuon(ddp_model)`` (DDP with ``gradient_as_bucket_view=True``), two micro-batches per step without
+    ``no_sync()``: DDP averages both (as torch's loop does); the waves launch from the last one only."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.models import TinyNet
+    from tests.test_wave_inputs import _diff, _ref_opts
+
+    torch.manual_seed(0)
+    base = TinyNet()
+    ref = copy.deepcopy(base)
+    ddp = DDP(base, gradient_as_bucket_view=True)
+    opt = OverlapMuon(ddp, adamw_kwargs=ADAMW_KW, async_step=mode == "async_step", **HP)
+    ref_ddp, ref_opts = DDP(ref, gradient_as_bucket_view=True), _ref_opts(ref)
+    ns, bad = [], None
+    for s in range(STEPS):
+        before = opt.stats["ns_matrices"]
+        xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(40 * s + 10 * k + rank)) for k in range(MICRO)]
+        for m, opts in ((ddp, [opt]), (ref_ddp, ref_opts)):
+            for x in xs:
+                (m(x).pow(2).mean() / MICRO).backward()
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad()
+        opt.synchronize()
+        ns.append(opt.stats["ns_matrices"] - before)
+        bad = bad or (_diff(base, ref) and (s, _diff(base, ref)))
+    out = bad, ns, opt.stats["held_backwards"], len(opt.muon_param_names), opt.stats["reruns"]
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["default", "async_step"])
+def test_ddp_attached_accumulation_without_no_sync(mode):
+    """Bug: under an attached DDP no end of backward was counted, so every micro-batch launched the waves: NS twice
+    per step on every step, each blamed on "the accumulation count changed"."""
+    from tests.dist_utils import run_ranks
+
+    for bad, ns, held, mats, reruns in run_ranks(_ddp_attached_body, 2, mode, timeout=200):
+        assert not bad, bad
+        assert ns[1:] == [mats] * (STEPS - 1) and held == STEPS - 1, (ns, held)

@@ -106,5 +106,9 @@ def rerun_warnings(stats: dict[str, int], seen: dict[str, int], warned: set[str]
             op = op.split(":", 1)[1]
             cause = "grad_edited:collective" + (":reduce_scatter" if op.startswith("reduce_scatter") else "")
         what, fix = RERUN_CAUSES.get(cause, RERUN_CAUSES["grad_edited"])
-        warn_user(f"OverlapMuon: {new} of {waves} waves re-ran in step() because {what.format(op=op)}; exact, but "
-                  f"those waves lost their overlap: {fix}.")
+        # A later backward re-launches the waves during backward, possibly several times a step: say so, in
+        # launches, never as more re-runs than the plan has waves.
+        done = (f"{new} wave launches (the plan has {waves} waves a step) were superseded before step()"
+                if cause == "extra_backward" else f"{min(new, waves)} of {waves} waves re-ran in step()")
+        warn_user(f"OverlapMuon: {done} because {what.format(op=op)}; exact, but those waves lost their overlap: "
+                  f"{fix}.")

@@ -25,7 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OverlapChoice", "TRIAL"]
+from .messages import warn_user
+
+__all__ = ["OverlapChoice", "TRIAL", "overlap_choice"]
 
 #: Timed iterations per mode.
 TRIAL = 5
@@ -72,3 +74,19 @@ class OverlapChoice:
         else:
             gaps = [b - a for a, b in zip(self.marks, self.marks[1:])]
         return statistics.median(gaps[:TRIAL]), statistics.median(gaps[TRIAL + 1:])
+
+
+def overlap_choice(config: Any, async_step: bool, event: Callable[[], Any] | None) -> OverlapChoice | None:
+    """The trial of ``config.auto_overlap``, or ``None`` where it does not run: without the option, or where
+    another option decides the mode (``overlap=False``, ``async_step=True``, ``wave_slots``); there one warning at
+    construction names the option that wins."""
+    if not config.auto_overlap:
+        return None
+    wins = ("overlap=False" if not config.overlap else "async_step=True" if async_step else
+            f"wave_slots={config.wave_slots}" if config.wave_slots is not None else None)
+    if wins is not None:
+        warn_user(f"OverlapMuon: auto_overlap=True does not combine with {wins}, which wins: no trial runs and the "
+                  f"mode stays as {wins} sets it")
+        return None
+    return OverlapChoice(event)
+

@@ -28,7 +28,7 @@ from .placement import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
 from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
 from .messages import warn_user
-from .overlap_choice import TRIAL, OverlapChoice
+from .overlap_choice import TRIAL, overlap_choice
 from .pipeline import WavePipeline
 from .scheduler import BackwardCount, ReadinessRecorder, WaveDispatcher
 from .wave_state import Hyper
@@ -101,10 +101,9 @@ class Runtime:
         self._warned_capture = False
         self.fixed = [False]  # whether this optimizer holds the version fix (``hook``)
         # [Note: overlap where it pays] in overlap_choice.py
-        auto = config.auto_overlap and config.overlap and not self.async_step and config.wave_slots is None
         lanes = self.pipeline.lanes
         event = functools.partial(lanes.current_stream_event, timing=True) if lanes.cuda else None
-        self.choice = OverlapChoice(event) if auto else None
+        self.choice = overlap_choice(config, self.async_step, event)
         self.handles: list[Any] = []
         self.tracker: GradReadyTracker | None = None
         self.waits: ForwardWaits | None = None

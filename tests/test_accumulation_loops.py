@@ -118,3 +118,36 @@ def test_ddp_attached_accumulation_without_no_sync(mode):
     for bad, ns, held, mats, reruns in run_ranks(_ddp_attached_body, 2, mode, timeout=200):
         assert not bad, bad
         assert ns[1:] == [mats] * (STEPS - 1) and held == STEPS - 1, (ns, held)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("other", [dict(async_step=True), dict(overlap=False), dict(wave_slots=1)])
+def test_auto_overlap_with_an_option_that_decides_says_which_wins(other):
+    """Bug: ``auto_overlap=True`` with ``async_step=True`` ran no trial, recorded nothing and said nothing."""
+    import warnings
+
+    from tests.models import TinyNet
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = OverlapMuon(TinyNet(), auto_overlap=True, **other, **HP)
+    said = [str(w.message) for w in caught if "auto_overlap" in str(w.message)]
+    assert len(said) == 1 and "which wins" in said[0] and next(iter(other)) in said[0], said
+    opt.close()
+
+
+def test_superseded_launches_never_read_as_more_reruns_than_waves():
+    """Bug: "18 of 6 waves re-ran in step()": the extra backwards re-launched the waves during backward, several
+    times a step. The message now counts launches and says so."""
+    import warnings
+    from collections import defaultdict
+
+    from overlap_muon.messages import rerun_warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rerun_warnings(defaultdict(int, {"reruns.extra_backward": 18, "reruns.grad_edited": 9, "steps": 3}), {},
+                       set(), 6)
+    said = sorted(str(w.message) for w in caught)
+    assert "18 wave launches (the plan has 6 waves a step) were superseded before step()" in said[0], said
+    assert "6 of 6 waves re-ran in step()" in said[1], said

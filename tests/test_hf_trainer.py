@@ -37,7 +37,7 @@ def _tiny_llama():
 
 
 def _fit(model: nn.Module, opt: torch.optim.Optimizer | None, max_grad_norm: float, callback: bool,
-         factory: dict | None = None, accumulate: int = 1):
+         factory: dict | None = None, accumulate: int = 1, reentrant: bool = False):
     """``Trainer.train()`` for STEPS steps (Trainer's default linear lr decay, no checkpoints), with ``opt`` or, given
     ``factory`` (OverlapMuon's keyword arguments), Trainer's factory route; returns the trainer, whose
     ``snapshots`` are the model's params after every step."""
@@ -54,7 +54,9 @@ def _fit(model: nn.Module, opt: torch.optim.Optimizer | None, max_grad_norm: flo
           for _ in range(16)]
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2,
                              report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=max_grad_norm,
-                             logging_steps=1, disable_tqdm=True, seed=0, gradient_accumulation_steps=accumulate)
+                             logging_steps=1, disable_tqdm=True, seed=0, gradient_accumulation_steps=accumulate,
+                             gradient_checkpointing=reentrant,
+                             gradient_checkpointing_kwargs={"use_reentrant": True} if reentrant else None)
     route = dict(optimizers=(opt, None)) if factory is None else dict(optimizer_cls_and_kwargs=(OverlapMuonFactory,
                                                                                                  factory))
     trainer = Trainer(model=model, args=args, train_dataset=ds, **route)
@@ -68,7 +70,8 @@ def _fit(model: nn.Module, opt: torch.optim.Optimizer | None, max_grad_norm: flo
     return trainer
 
 
-def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory=False, accumulate=1):
+def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory=False, accumulate=1,
+                  reentrant=False):
     """Both runs on this rank; returns (differing params, re-runs, waves per step, steps where clipping bit)."""
     logging.disable(logging.WARNING)
     # Accelerate reads torchrun's variables: with them it wraps DDP; at world 1 it runs the plain loop without them.
@@ -94,13 +97,13 @@ def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory
         opt = trainer.optimizer.optimizer  # Accelerate's AcceleratedOptimizer wraps it
     else:
         opt = OverlapMuon(model, **HP, adamw_kwargs=ADAMW_KW, **kw)
-        trainer = _fit(model, opt, max_grad_norm, callback, accumulate=accumulate)
+        trainer = _fit(model, opt, max_grad_norm, callback, accumulate=accumulate, reentrant=reentrant)
     muon_names = set(opt.muon_param_names)
     bit = sum(h["grad_norm"] + 1e-6 > max_grad_norm > 0 for h in trainer.state.log_history if "grad_norm" in h)
     named = dict(ref.named_parameters())
     ref_trainer = _fit(ref, MuonAdamW([named[n] for n in named if n in muon_names],
                                       [named[n] for n in named if n not in muon_names]), max_grad_norm, False,
-                       accumulate=accumulate)
+                       accumulate=accumulate, reentrant=reentrant)
     opt.synchronize()
     bad = [n for (n, p), q in zip(model.named_parameters(), ref.parameters())
            if not torch.equal(local(p).detach(), local(q).detach())]
@@ -207,3 +210,15 @@ def test_callback_without_the_trainer_says_the_fix():
         OverlapMuonCallback().on_train_begin(types.SimpleNamespace(world_size=1), None, None,
                                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     opt.close()
+
+
+@pytest.mark.timeout(200)
+def test_trainer_reentrant_checkpointing_accumulation():
+    """``gradient_checkpointing_kwargs={"use_reentrant": True}`` (public QLoRA/FSDP recipes) with
+    ``gradient_accumulation_steps=2``. Bug: the accumulation was never learned (the decoder layers' hooks fire in
+    nested graph tasks): NS 3 times per step. Now bitwise, no re-runs, NS once per matrix per step from step 2."""
+    for bad, reruns, _, _, (ns, mats) in run_ranks(_trainer_body, 1, 100.0, accumulate=2, reentrant=True,
+                                                   timeout=150):
+        assert bad == [] and reruns == 0, (bad, reruns)
+        assert ns == mats * (STEPS + 1), (ns, mats)
+

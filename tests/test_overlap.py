@@ -222,10 +222,24 @@ def test_gradient_accumulation(body, R, T):
     assert not bad, "\n".join(bad)
 
 
-def _fsdp2_accumulation(rank, world):
+class _Reentrant(nn.Module):
+    """``checkpoint(layer, x, use_reentrant=True)``: the layer's gradients come from a nested graph task."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.layer, x if x.requires_grad else x.detach().requires_grad_(), use_reentrant=True)
+
+
+def _fsdp2_accumulation(rank, world, reentrant=False):
     """FSDP2 adds each later micro-batch's reduced gradients into the views of one buffer per module ([Note: shared
     gradient buffers] in hooks/grad_ready.py): no wave re-runs, NS once per matrix per step from step 2, and the
-    params equal torch's after every step (every rank the same batches: FSDP2's average is the batch's gradient)."""
+    params equal torch's after every step (every rank the same batches: FSDP2's average is the batch's gradient).
+    ``reentrant``: each sharded layer under a reentrant activation checkpoint."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -236,6 +250,8 @@ def _fsdp2_accumulation(rank, world):
     torch.manual_seed(0)
     full = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 12), nn.Tanh(), nn.Linear(12, 12))
     ref, model = copy.deepcopy(full), copy.deepcopy(full)
+    wrap = (lambda m: nn.Sequential(*[_Reentrant(x) if i % 2 == 0 else x for i, x in enumerate(m)])) if reentrant \
+        else (lambda m: m)
     ref_opts = torch_ref_opts(ref)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("remat",))
     for layer in model[::2]:  # each a weight and a bias in one reduce-scatter buffer, each weight a wave
@@ -243,9 +259,10 @@ def _fsdp2_accumulation(rank, world):
     fully_shard(model, mesh=mesh)
     opt = OverlapMuon(model, device_mesh=mesh, adamw_kwargs=ADAMW_KW, **HP)
     bad, mats = [], sum(1 for n, p in model.named_parameters() if p.ndim == 2)
+    runs = ((wrap(model), [opt]), (wrap(ref), ref_opts))
     for s in range(3):
         before = opt.stats["ns_matrices"]
-        for m, opts in ((model, [opt]), (ref, ref_opts)):
+        for m, opts in runs:
             for k in range(2):
                 m(torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * s + k))).pow(2).mean().backward()
             for o in opts:
@@ -263,8 +280,11 @@ def _fsdp2_accumulation(rank, world):
 
 
 @pytest.mark.timeout(150)
-def test_fsdp2_accumulation_reruns_nothing():
-    bad = [b for r in run_ranks(_fsdp2_accumulation, 2, timeout=130) for b in r]
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_fsdp2_accumulation_reruns_nothing(reentrant):
+    """``reentrant``: bug, NS 3 times per step with ``extra_backward`` and ``reduce_scatter`` re-runs (the
+    accumulation was never learned under reentrant checkpointing)."""
+    bad = [b for r in run_ranks(_fsdp2_accumulation, 2, reentrant, timeout=130) for b in r]
     assert not bad, "\n".join(bad)
 
 

@@ -12,6 +12,9 @@ plain TP shards) at world 1 and 2, in interleaved rounds of a few iterations per
   ([Note: learned accumulation] in ``scheduler/dispatch.py``), over ``learn_accumulation=False``, where every
   backward launches them and each later one makes them stale (NS 4 times per matrix per step; the NS calls per
   step of both are reported).
+* ``acc4_reentrant_over_learned_world{1,2}``: the same 4 micro-batches with every block under a reentrant
+  activation checkpoint (``checkpoint(block, x, use_reentrant=True)``, whose gradients come from nested graph
+  tasks), over ``acc4_learned``: the accumulation is learned there too (NS once per matrix per step, reported).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from overlap_muon.optimizer import OverlapMuon
 from overlap_muon.overlap_choice import TRIAL
@@ -30,10 +34,20 @@ from .common import (_HP, _CaseResult, _max_over_ranks, _median, _ms, _muon_2d, 
 
 #: The keys of the case's ``ratios`` in the JSON.
 RATIO_KEYS: tuple[str, ...] = tuple(f"{k}_world{w}" for w in (1, 2)
-                                    for k in ("auto_over_best", "acc4_learned_over_each_backward"))
+                                    for k in ("auto_over_best", "acc4_learned_over_each_backward",
+                                              "acc4_reentrant_over_learned"))
 
 _VARIANTS = {"on": dict(overlap=True), "off": dict(overlap=False), "auto": dict(auto_overlap=True),
-             "acc4_learned": dict(), "acc4_each": dict(learn_accumulation=False)}
+             "acc4_learned": dict(), "acc4_each": dict(learn_accumulation=False), "acc4_reentrant": dict()}
+
+
+def _forward(net: torch.nn.Sequential, x: torch.Tensor, reentrant: bool) -> torch.Tensor:
+    if not reentrant:
+        return net(x)
+    x = x.detach().requires_grad_()
+    for block in net:
+        x = checkpoint(block, x, use_reentrant=True)
+    return x
 
 
 def _choice_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds: int, chunk: int) -> dict[str, Any]:
@@ -52,7 +66,7 @@ def _choice_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds
         t0 = time.perf_counter()
         for _ in range(n):
             for _ in range(micro):
-                net(x).pow(2).mean().backward()
+                _forward(net, x, name == "acc4_reentrant").pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
         opt.synchronize()
@@ -88,6 +102,7 @@ def run(o: _Options) -> _CaseResult:
         best = min(med["on"], med["off"])
         ratios[f"auto_over_best_world{world}"] = _ratio(med["auto"], best)
         ratios[f"acc4_learned_over_each_backward_world{world}"] = _ratio(med["acc4_learned"], med["acc4_each"])
+        ratios[f"acc4_reentrant_over_learned_world{world}"] = _ratio(med["acc4_reentrant"], med["acc4_learned"])
         ns = res[0]["ns_matrices_per_step"]
         det[f"world{world}"] = {"median_s": med, "ns_matrices_per_step_rank0": ns,
                                 "auto_chose_on": res[0]["auto_chose_on"], "auto_trial_ms": res[0]["auto_trial_ms"]}
@@ -98,5 +113,8 @@ def run(o: _Options) -> _CaseResult:
         lines.append(f"         4 micro-batches per step: learned {_ms(med['acc4_learned'])} "
                      f"({ns['acc4_learned']:g} NS per step on rank 0), every backward {_ms(med['acc4_each'])} "
                      f"({ns['acc4_each']:g}) -> {ratios[f'acc4_learned_over_each_backward_world{world}']:.3f}")
+        lines.append(f"         ... under reentrant checkpointing: {_ms(med['acc4_reentrant'])} "
+                     f"({ns['acc4_reentrant']:g} NS per step) -> "
+                     f"{ratios[f'acc4_reentrant_over_learned_world{world}']:.3f} of learned")
     return _CaseResult(f"the runtime's choices: auto_overlap, learned accumulation ({blocks} blocks d {d}, "
                        f"{tokens} tokens)", ratios, lines, det)

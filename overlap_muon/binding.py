@@ -21,6 +21,7 @@ next ones overlap again.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -31,9 +32,11 @@ from . import builder
 from .comm import warm_up
 from .config import OverlapMuonConfig
 from .domain import Domain
-from .hooks import ParamOwners, weak_callback
+from .hooks import ParamOwners, watch_for_ddp, weak_callback
 from .placement import local_tensor
 from .runtime import Runtime
+
+logger = logging.getLogger("overlap_muon")
 
 __all__ = ["ParamBinding"]
 
@@ -68,6 +71,7 @@ class ParamBinding:
         self.model, self.config, self.rank, self.recipe, self.qk_spec = model, config, rank, recipe, qk_spec
         self.finalizer: weakref.finalize | None = None
         self._ddp: Any = None
+        self._watch: Any = None  # hooks.watch_for_ddp's handle, until the first step
         self._stages: list[Any] = []
         self._claim()
 
@@ -99,7 +103,21 @@ class ParamBinding:
                                opt.defaults["ns_steps"])
         self.qk = builder.qk_clipper(self.qk_spec, self.model, placed, comm, self.rank, self.config)
         self.finalizer = self.runtime.hook(opt, self.model, weak_callback(self._sync_hook))
+        if self.config.overlap and self._ddp is None:  # a DDP wrapped around the model later is attached
+            self._watch = watch_for_ddp(self.model, weak_callback(self._found_ddp))
+            self.runtime.handles.append(self._watch)
         self._bound = self._snapshot()
+
+    def stop_watch(self) -> None:
+        """A DDP is looked for until the first ``step()`` (a global forward pre-hook: not kept for the run)."""
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+
+    def _found_ddp(self, ddp_model: nn.Module) -> None:
+        logger.info("OverlapMuon: found a DistributedDataParallel around the model at its first forward; attached "
+                    "(readiness from its averaged buckets)")
+        self.attach_ddp(ddp_model)
 
     def _sync_hook(self, *_: Any) -> None:  # a state_dict pre-hook: the saved weights are the updated ones
         self.runtime.synchronize()

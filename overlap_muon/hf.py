@@ -7,14 +7,13 @@ trains. (``optimizer_cls_and_kwargs=(OverlapMuon, ...)`` cannot work: Trainer th
 ``OverlapMuon`` needs the model; an ``optim="..."`` string cannot either: Trainer's optimizer registry is private.)
 
 ``Trainer`` wraps the model in ``DistributedDataParallel`` inside ``train()`` (through Accelerate), after the
-optimizer exists, with ``gradient_as_bucket_view=False``. Under that DDP the gradient-ready hooks see each rank's
-local gradient, and DDP's averaging then changes every gradient in place: ``step()`` re-runs every wave (exact, no
-overlap). :class:`OverlapMuonCallback`, given the trainer, asks Accelerate for ``gradient_as_bucket_view=True``
-before the wrap, and when training begins finds the optimizer (either route) and attaches it to the DDP module
-(``OverlapMuon.attach_ddp``), so the waves read DDP's averaged gradients as each bucket's all-reduce completes.
-Without DDP (one process, FSDP2, Hugging Face's own TP/FSDP loading) it does nothing. ``Trainer``'s gradient
-clipping needs nothing here: a clip whose coefficient is 1 changes no gradient and moves no counter ([Note: a clip
-that does not bite] in ``version_fix.py``).
+optimizer exists, with ``gradient_as_bucket_view=False``. The optimizer finds that DDP at its first forward and
+attaches to it (``hooks.watch_for_ddp``; [Note: DDP readiness] in ``hooks/ddp_readiness.py``): the waves read
+DDP's averaged buckets, with no callback. :class:`OverlapMuonCallback`, given the trainer, also asks Accelerate for
+``gradient_as_bucket_view=True`` before the wrap (``.grad`` is then the bucket itself: no copy, less memory) and
+attaches the optimizer (either route) when training begins. Without DDP (one process, FSDP2, Hugging Face's own
+TP/FSDP loading) it does nothing. ``Trainer``'s gradient clipping needs nothing here: a clip whose coefficient is 1
+changes no gradient and moves no counter ([Note: a clip that does not bite] in ``version_fix.py``).
 
 Usage (one line after building the ``Trainer``, on either route)::
 
@@ -32,7 +31,6 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from .messages import warn_user
 from .optimizer import OverlapMuon
 
 __all__ = ["OverlapMuonCallback", "OverlapMuonFactory"]
@@ -86,11 +84,7 @@ class OverlapMuonCallback(TrainerCallback):
         trainer = self._trainer() if self._trainer is not None else None
         wrapped = getattr(trainer, "model_wrapped", None)
         if isinstance(wrapped, DistributedDataParallel):
-            opt.attach_ddp(wrapped)
-        elif trainer is None and args.world_size > 1 and opt.domain.size == 1:  # replicated: Trainer's DDP
-            warn_user("OverlapMuonCallback() was given no trainer, so it cannot reach Trainer's DDP: every wave re-runs "
-                      "in step() (exact, no overlap); build it with the trainer: "
-                      "trainer.add_callback(OverlapMuonCallback(trainer))")
+            opt.attach_ddp(wrapped)  # (without the trainer, the optimizer finds the DDP at its first forward)
 
 
 def _not_ours(optimizer: Any) -> str:

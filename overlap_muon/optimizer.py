@@ -243,6 +243,7 @@ class OverlapMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._binding.stop_watch()
         self._follow_params()
         try:
             clip_params = list(self._binding.model.parameters()) if self.max_grad_norm is not None else []
@@ -342,10 +343,9 @@ class OverlapMuon(torch.optim.Optimizer):
         """Take gradient readiness from a DDP comm hook instead of the per-param hooks.
 
         Under DDP a per-param hook sees the local, un-averaged gradient; the comm hook signals a bucket's params
-        once its all-reduce has completed, so waves read DDP's averaged gradients. Requires
-        ``DistributedDataParallel(..., gradient_as_bucket_view=True)`` (see ``hooks.ddp_readiness_hook``). Without
-        it the per-param hooks still give exact results (``step()`` sees DDP's in-place averaging and re-runs those
-        waves) but nothing overlaps. Called by the constructor when given a DDP model. A comm hook the user
+        once its all-reduce has completed, so waves read DDP's averaged gradients (with or without
+        ``gradient_as_bucket_view``: [Note: DDP readiness] in ``hooks/ddp_readiness.py``). Called by the
+        constructor when given a DDP model, and when a DDP wrapped around the model later runs its first forward. A comm hook the user
         registers afterwards (``fp16_compress_hook``, PowerSGD) is chained (``hooks.attach_ddp_readiness``); one
         registered before leaves DDP no room for ours: the waves then launch in ``step()`` and a warning says so.
 

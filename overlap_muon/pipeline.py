@@ -285,6 +285,15 @@ class WavePipeline:
             for st in pending.values():
                 self._orphan(st)
 
+    def rebase_grad_versions(self) -> None:
+        """Re-take the gradient version records of the uncommitted waves: DDP's ``finalize_backward`` copied into
+        each gradient the bytes the waves read ([Note: DDP readiness] in ``hooks/ddp_readiness.py``). The content
+        check still compares the bytes at commit."""
+        with self._lock:
+            for st in self._pending.values():
+                if st.reads is not None:
+                    st.reads.rebase_grads()
+
     def in_flight(self, pending: dict[int, WaveState] | None = None) -> list[WaveState]:
         """The committed waves not yet waited for, then ``pending`` (default: the uncommitted ones) in wave order:
         whose own errors explain a failed agreement."""

@@ -99,6 +99,7 @@ class Runtime:
         self.phase = StepPhase.IDLE
         self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
         self._warned_capture = False
+        self.ddp_copies = False  # an attached DDP without gradient_as_bucket_view ([Note: DDP readiness])
         self.fixed = [False]  # whether this optimizer holds the version fix (``hook``)
         # [Note: overlap where it pays] in overlap_choice.py
         lanes = self.pipeline.lanes
@@ -182,6 +183,7 @@ class Runtime:
             self.tracker.remove()
             self.tracker = None
         on_ready = weak_callback(self.on_ready)
+        self.ddp_copies = not getattr(ddp_model, "gradient_as_bucket_view", True)  # [Note: DDP readiness]
         if not attach_ddp_readiness(ddp_model, lambda idx: [on_ready(i) for i in idx], dict(self.index.first),
                                     weak_callback(self.on_ddp_backward_end)):
             warn_user("OverlapMuon: this DDP model already has a comm hook (DDP takes one), so the waves launch in "
@@ -234,6 +236,8 @@ class Runtime:
         if self.config.learn_accumulation and self.backwards.holds():
             self.pipeline.stats["held_backwards"] += 1
         self.backwards.backward_ended()
+        if self.ddp_copies:  # DDP's finalize_backward re-copied the bytes the waves read: same bytes, new versions
+            self.pipeline.rebase_grad_versions()
 
     def _captured(self) -> None:
         """[Note: CUDA graph capture] A backward captured in a CUDA graph (torchtitan's default: its

@@ -179,6 +179,10 @@ class Reads:
         self.bufs = [e.get("momentum_buffer") if e else None for e in self.entries]
         self.buf_versions: list[tuple[int, int] | None] | None = None if mps else []
 
+    def rebase_grads(self) -> None:
+        """Record the gradients' counters again: a writer known to rewrite the bytes they hold moved them."""
+        self.grads = [(g, versions(g)) for g, _ in self.grads]
+
     def record_buffers(self) -> None:
         """Record the momentum buffers' counters now (at launch: nothing of the optimizer writes them before the
         pack reads them, so the commit need not wait for the pack)."""

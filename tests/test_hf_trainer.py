@@ -192,11 +192,12 @@ def test_accelerate_clip_on_fsdp2_grads(max_norm):
         assert reruns == waves * bit and bit == (0 if max_norm == float("inf") else STEPS), (reruns, waves, bit)
 
 
-def test_callback_without_the_trainer_says_the_fix():
-    """Built without the trainer, the callback cannot ask Accelerate for bucket views before Trainer's DDP wrap: on
-    a replicated (DDP) job it warns once, with the fix; it still takes the optimizer Accelerate wraps, and refuses
-    another optimizer."""
+def test_callback_without_the_trainer_takes_accelerates_optimizer():
+    """Built without the trainer, the callback takes the optimizer Accelerate wraps (the DDP itself is found at
+    its first forward: ``test_trainer_ddp_without_the_callback_keeps_the_overlap``), and refuses another
+    optimizer."""
     import types
+    import warnings
 
     from overlap_muon.hf import OverlapMuonCallback
     from tests.models import Deep
@@ -204,7 +205,8 @@ def test_callback_without_the_trainer_says_the_fix():
     model = Deep(n=2)
     opt = OverlapMuon(model, **HP)
     wrapped = types.SimpleNamespace(optimizer=opt)  # as Accelerate's AcceleratedOptimizer holds it
-    with pytest.warns(UserWarning, match=r"trainer.add_callback\(OverlapMuonCallback\(trainer\)\)"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         OverlapMuonCallback().on_train_begin(types.SimpleNamespace(world_size=2), None, None, optimizer=wrapped)
     with pytest.raises(TypeError, match="not an OverlapMuon"):
         OverlapMuonCallback().on_train_begin(types.SimpleNamespace(world_size=1), None, None,
@@ -221,4 +223,13 @@ def test_trainer_reentrant_checkpointing_accumulation():
                                                    timeout=150):
         assert bad == [] and reruns == 0, (bad, reruns)
         assert ns == mats * (STEPS + 1), (ns, mats)
+
+
+@pytest.mark.timeout(300)
+def test_trainer_ddp_without_the_callback_keeps_the_overlap():
+    """World 2 without ``OverlapMuonCallback``: Trainer wraps the model in DDP (``gradient_as_bucket_view=False``)
+    inside ``train()``, after the optimizer exists. Bug: 56 of 112 waves re-ran unless the user knew the callback.
+    Now the DDP is found at its first forward and attached: bitwise the reference, no re-run."""
+    for bad, reruns, waves, bit, _ in run_ranks(_trainer_body, 2, 100.0, False, timeout=250):
+        assert bad == [] and bit == 0 and reruns == 0, (bad, reruns, waves)
 

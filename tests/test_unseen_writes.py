@@ -107,19 +107,27 @@ def test_gradients_averaged_below_the_wrapped_names(kind, mode):
         assert reruns > 0 and replicas_equal
 
 
-def _ddp_later_body(rank, world, variant, mode):
-    """DDP (``gradient_as_bucket_view=True``) built after the optimizer, not attached; two micro-batches per step,
-    without ``no_sync()`` (``"accumulate"``) or with it and ``zero_grad(set_to_none=False)`` (``"no_sync"``)."""
+def _ddp_later_body(rank, world, variant, mode, when="after_forward", bucket_view=True):
+    """DDP built after the optimizer, not attached by the user; two micro-batches per step, without ``no_sync()``
+    (``"accumulate"``) or with it and ``zero_grad(set_to_none=False)`` (``"no_sync"``). ``when``:
+    ``"after_forward"``, wrapped after the model's first forward (the optimizer's watch for a DDP has ended: DDP's
+    C++ reducer is a writer no record sees); ``"before_forward"``, wrapped before it (found and attached).
+    Returns the first differing step, the re-runs and the NS matrices per step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     base = TinyNet()
     ref = copy.deepcopy(base)
     opt, ref_opts = _opt(mode, base), _ref_opts(ref)
-    pairs = ((DDP(base, gradient_as_bucket_view=True), [opt]), (DDP(ref, gradient_as_bucket_view=True), ref_opts))
+    if when == "after_forward":
+        with torch.no_grad():
+            base(torch.zeros(1, 12))
+    pairs = ((DDP(base, gradient_as_bucket_view=bucket_view), [opt]),
+             (DDP(ref, gradient_as_bucket_view=bucket_view), ref_opts))
     xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(30 * s + rank)) for s in range(8)]
-    first_bad = None
+    first_bad, ns = None, []
     for s in range(4):
+        before = opt.stats["ns_matrices"]
         for ddp, opts in pairs:
             for micro in range(2):
                 quiet = variant == "no_sync" and micro == 0
@@ -130,11 +138,12 @@ def _ddp_later_body(rank, world, variant, mode):
             for o in opts:
                 o.zero_grad(set_to_none=variant != "no_sync")
         opt.wait_for(base.parameters())
+        ns.append(opt.stats["ns_matrices"] - before)
         bad = _diff(base, ref)
         if bad and first_bad is None:
             first_bad = (s, bad)
     opt.synchronize()
-    out = first_bad, opt.stats["reruns"]
+    out = first_bad, opt.stats["reruns"], ns, len(opt.muon_param_names)
     opt.close()
     return out
 
@@ -145,8 +154,22 @@ def _ddp_later_body(rank, world, variant, mode):
 def test_ddp_built_after_the_optimizer(variant, mode):
     """DDP's C++ reducer writes the bucket views after a wave has read them: caught by their bytes, bitwise equal
     to torch after every step (the replicas diverged by up to 8e-3 before)."""
-    for bad, _reruns in run_ranks(_ddp_later_body, 2, variant, mode, timeout=200):
+    for bad, _reruns, _, _ in run_ranks(_ddp_later_body, 2, variant, mode, timeout=200):
         assert bad is None, bad
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("bucket_view", [True, False])
+def test_ddp_wrapped_later_is_attached(bucket_view, mode):
+    """DDP wrapped around the model after the optimizer was built, before its first forward (Hugging Face's
+    Trainer and Lightning wrap so, with ``gradient_as_bucket_view=False``): found at its first forward and attached
+    as ``OverlapMuon(ddp_model)`` would be, so the waves read DDP's averaged buckets: no re-run, NS once per matrix
+    per step from step 2 (gradient accumulation without ``no_sync()``), bitwise equal to torch."""
+    for bad, reruns, ns, mats in run_ranks(_ddp_later_body, 2, "accumulate", mode, "before_forward", bucket_view,
+                                           timeout=200):
+        assert bad is None, bad
+        assert reruns == 0 and ns[1:] == [mats] * 3, (reruns, ns)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ skipping it is exact. We keep (b): it sends no extra bytes, costs nothing on the
 (in LLM training the norm exceeds the bound mostly early on), and is exact by construction because it runs
 torch's own arithmetic. Its cost: the steps that clip lose their overlap (measured in the ``overlap`` bench case),
 and the decision reads one scalar on the host (on CUDA a sync once per step, only with ``max_grad_norm`` set).
+Where clipping bites step after step, the runtime stops speculating after the first such step and launches the
+waves in ``step()``, after the clip ([Note: learned clipping] in ``scheduler/dispatch.py``).
 """
 
 from __future__ import annotations

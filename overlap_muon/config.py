@@ -90,6 +90,11 @@ class OverlapMuonConfig:
     """Overlap mode: count the backward passes between steps and launch the waves only from the one expected to be
     the last before ``step()`` ([Note: learned accumulation] in ``scheduler/dispatch.py``): NS once per matrix
     per step under gradient accumulation without ``no_sync()``. ``False``: every backward launches them."""
+    learn_clipping: bool = _opt(True, "OVERLAP_MUON_LEARN_CLIPPING", kind=bool)
+    """Overlap mode: after a step whose gradients were edited between backward and ``step()`` (a clip that bit,
+    GradScaler's unscale), the next step launches its waves in ``step()``, after the edit, instead of launching
+    them in backward and re-running them all; speculation resumes after a step without an edit ([Note: learned
+    clipping] in ``scheduler/dispatch.py``). ``False``: every step speculates."""
     auto_overlap: bool = _opt(False, "OVERLAP_MUON_AUTO_OVERLAP", kind=bool)
     """Overlap mode (without ``async_step`` or ``wave_slots``): time a few iterations with the overlap on and off
     early in training, agree across ranks, and keep the faster ([Note: overlap where it pays] in

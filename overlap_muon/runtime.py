@@ -30,8 +30,8 @@ from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_cal
 from .messages import warn_user
 from .overlap_choice import TRIAL, overlap_choice
 from .pipeline import WavePipeline
-from .scheduler import BackwardCount, ReadinessRecorder, WaveDispatcher
-from .wave_state import Hyper
+from .scheduler import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher
+from .wave_state import Hyper, versions
 
 __all__ = ["Runtime", "StepPhase"]
 
@@ -67,6 +67,12 @@ def _remove_all(handles: list, pipeline: WavePipeline, fixed: list[bool]) -> Non
         version_fix.release()
 
 
+def _edit_reruns(stats: dict[str, int]) -> int:
+    """Waves re-run so far because a gradient was edited or replaced after backward ([Note: learned clipping])."""
+    return sum(v for k, v in stats.items() if k.startswith(("reruns.grad_edited", "reruns.grad_replaced",
+                                                            "reruns.content")))
+
+
 class Runtime:
     """The plan, the hooks and the step's machinery of one optimizer; its verbs (``discard``, ``wait_for``,
     ``synchronize``, ...) are what the optimizer calls.
@@ -98,6 +104,7 @@ class Runtime:
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
         self.phase = StepPhase.IDLE
         self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
+        self.edits = LearnedEdits()  # [Note: learned clipping] in scheduler/dispatch.py
         self._warned_capture = False
         self.ddp_copies = False  # an attached DDP without gradient_as_bucket_view ([Note: DDP readiness])
         self.fixed = [False]  # whether this optimizer holds the version fix (``hook``)
@@ -204,7 +211,7 @@ class Runtime:
 
     # hooks -> dispatcher -> pipeline
     def on_ready(self, first: int) -> None:
-        if (self.phase is StepPhase.ACCUMULATING or not self.config.overlap
+        if (self.phase is StepPhase.ACCUMULATING or not self.config.overlap or self.edits.hold
                 or self.config.learn_accumulation and self.backwards.holds()):
             return
         if self.pipeline.lanes.capturing():
@@ -225,9 +232,10 @@ class Runtime:
             return
         held = self.config.learn_accumulation and self.backwards.holds()
         self.backwards.backward_ended()
+        self.edits.backward_ended(self._grad_versions)
         if held:
             self.pipeline.stats["held_backwards"] += 1
-        elif self.phase is not StepPhase.ACCUMULATING and self.config.overlap:
+        elif self.phase is not StepPhase.ACCUMULATING and self.config.overlap and not self.edits.hold:
             self.dispatcher.flush()
 
     def on_ddp_backward_end(self) -> None:
@@ -236,6 +244,7 @@ class Runtime:
         if self.config.learn_accumulation and self.backwards.holds():
             self.pipeline.stats["held_backwards"] += 1
         self.backwards.backward_ended()
+        self.edits.backward_ended(self._grad_versions)
         if self.ddp_copies:  # DDP's finalize_backward re-copied the bytes the waves read: same bytes, new versions
             self.pipeline.rebase_grad_versions()
 
@@ -296,9 +305,19 @@ class Runtime:
         """``step()`` up to its applies: :meth:`prepare`, :meth:`launch_rest`, :meth:`commit` (in
         :attr:`StepPhase.STEP`; :meth:`end_step` leaves it). Returns ``(applies, norm before clipping, reruns)``."""
         self.phase = StepPhase.STEP
+        stats = self.pipeline.stats
+        edited = self.edits.hold and self.edits.edited_since_backward(self._grad_versions)
+        stats["edit_held_steps"] += self.edits.hold
+        clipped, before = stats["clipped_steps"], _edit_reruns(stats)
         ok, norm = self.prepare(max_grad_norm, clip_params)
         agreed = self.launch_rest(ok)
-        return ok, norm, self.commit(ok, agreed)
+        reruns = self.commit(ok, agreed)
+        if self.config.learn_clipping and self.config.overlap:  # [Note: learned clipping]
+            self.edits.stepped(edited or stats["clipped_steps"] > clipped or _edit_reruns(stats) > before)
+        return ok, norm, reruns
+
+    def _grad_versions(self) -> list[tuple[int, int]]:
+        return [versions(m.param.grad) if m.param.grad is not None else (-1, -1) for m in self.muon]
 
     def end_step(self) -> None:
         """Leave the step (also when it raised): backward's hooks launch speculative waves again, from the backward

@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -83,7 +84,7 @@ C10D_INPLACE: dict[str, tuple[int, str]] = {
 
 _lock = threading.RLock()
 _in_flight: list[tuple[frozenset[int], Any]] = []  # (storages written, work) of asynchronous collectives
-_writers: dict[int, str] = {}  # storage -> the wrapped op that wrote it in place last, this step (writer_of)
+_writers: dict[int, tuple[str, Any]] = {}  # storage -> (the wrapped op that last wrote it this step, its tensor weakly)
 _users = 0  # live OverlapMuon(overlap=True) instances that acquired the fixes
 _originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (module, name, original) of every wrapped function
 _done: set[str] = set()  # "dtensor_foreach", "amp_unscale", "c10d", "unit_clip": the fixes in place in this process
@@ -173,13 +174,15 @@ def _register_in_flight(work: Any, written: list[torch.Tensor]) -> None:
 
 def _note_writer(name: str, written: list[torch.Tensor]) -> None:
     for t in written:
-        _writers[_storage(t)] = name
+        _writers[_storage(t)] = (name, weakref.ref(t))
 
 
 def writer_of(t: torch.Tensor) -> str | None:
     """The wrapped op (a c10d collective, ``clip_grad_norm_``, a foreach op or GradScaler's unscale on a DTensor)
-    that last wrote ``t``'s storage in place since the last :func:`end_step`, if any: the re-run warning names it."""
-    return _writers.get(_storage(t)) if _writers else None
+    that last wrote ``t``'s storage in place since the last :func:`end_step`, if any: the re-run warning names it.
+    (Only while the tensor it wrote lives: a freed tensor's address may come back as another one's.)"""
+    entry = _writers.get(_storage(t)) if _writers else None
+    return entry[0] if entry is not None and entry[1]() is not None else None
 
 
 def end_step() -> None:

@@ -8,7 +8,7 @@ if __name__ == "scheduler":  # the repository folder, found on the path from the
     raise ImportError("scheduler/ is installed as overlap_muon.scheduler: import overlap_muon.scheduler")
 
 from .cost import ns_bytes, ns_flops
-from .dispatch import BackwardCount, ReadinessRecorder, WaveDispatcher
+from .dispatch import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
 from .plan_hash import PlanDifference, first_plan_difference, param_fingerprints, plan_hash
 from .surplus import SurplusCostModel, SurplusPlan, plan_surplus
@@ -29,6 +29,7 @@ __all__ = [
     "WaveDispatcher",
     "ReadinessRecorder",
     "BackwardCount",
+    "LearnedEdits",
     "plan_surplus",
     "SurplusPlan",
     "SurplusCostModel",

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from .waves import Wave
 
-__all__ = ["WaveDispatcher", "BackwardCount", "ReadinessRecorder"]
+__all__ = ["LearnedEdits", "WaveDispatcher", "BackwardCount", "ReadinessRecorder"]
 
 
 class WaveDispatcher:
@@ -192,6 +192,36 @@ class BackwardCount:
             if self._last is None or n == self._last:
                 self.expected = n
             self._last = n
+
+
+class LearnedEdits:
+    """[Note: learned clipping] A gradient edit between backward and ``step()`` (a clip that bites, GradScaler's
+    unscale, a user's scaling) makes every wave launched in backward stale: it re-runs in ``step()``, so the step
+    does its optimizer work twice. Where such edits repeat (LLM training often clips every step early on), the
+    step after one that was edited launches nothing in backward (:meth:`holds`) and launches its waves in
+    ``step()``, after the edit, once: the synchronous step's cost, not twice it. Such a held step still learns
+    whether the edit happened (its gradients' version counters moved between the end of backward and ``step()``,
+    or ``max_grad_norm``'s own clip bit): once a step is not edited, speculation resumes at the next one. Exact
+    either way: a held wave reads what the edit left.
+    """
+
+    def __init__(self) -> None:
+        self.hold = False
+        self._versions: list[tuple[int, int]] | None = None  # the gradients' counters at the end of a held backward
+
+    def backward_ended(self, versions: Callable[[], list[tuple[int, int]]]) -> None:
+        """A backward of a held step ended: remember its gradients' counters (``versions()``)."""
+        if self.hold:
+            self._versions = versions()
+
+    def edited_since_backward(self, versions: Callable[[], list[tuple[int, int]]]) -> bool:
+        """A held step, at ``step()``: whether its gradients were edited since its backward ended."""
+        return self._versions is not None and versions() != self._versions
+
+    def stepped(self, edited: bool) -> None:
+        """The step ended; ``edited``: an edit made its waves stale (speculative step), or moved its gradients
+        (held step). The next step holds exactly when this one was edited."""
+        self.hold, self._versions = edited, None
 
 
 class ReadinessRecorder:

@@ -151,3 +151,53 @@ def test_superseded_launches_never_read_as_more_reruns_than_waves():
     said = sorted(str(w.message) for w in caught)
     assert "18 wave launches (the plan has 6 waves a step) were superseded before step()" in said[0], said
     assert "6 of 6 waves re-ran in step()" in said[1], said
+
+
+def _clip_run(how: str, steps: int = 5, bite_until: int = 99):
+    """Clip every step by ``max_grad_norm`` (``how="max_grad_norm"``) or by the user's ``clip_grad_norm_`` between
+    backward and ``step()``; the bound bites for steps ``< bite_until`` and not after. Returns the first differing
+    step, NS matrices per step, the Muon matrix count and the optimizer's stats."""
+    from tests.models import TinyNet
+    from tests.test_wave_inputs import _diff, _ref_opts
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    kw = dict(max_grad_norm=1e-3) if how == "max_grad_norm" else {}
+    opt, refs = OverlapMuon(model, adamw_kwargs=ADAMW_KW, **kw, **HP), _ref_opts(ref)
+    ns, bad, speculated = [], None, []
+    for s in range(steps):
+        bound = 1e-3 if s < bite_until else 1e6
+        if how == "max_grad_norm":
+            opt.max_grad_norm = bound
+        before = opt.stats["ns_matrices"]
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(s))
+        for m, opts in ((model, [opt]), (ref, refs)):
+            launched = opt.stats["waves_launched"]
+            m(x).pow(2).mean().backward()
+            if m is model:
+                speculated.append(opt.stats["waves_launched"] > launched)  # launched in backward
+            if how == "user" or m is ref:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), bound)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        ns.append(opt.stats["ns_matrices"] - before)
+        bad = bad or (_diff(model, ref) and (s, _diff(model, ref)))
+    out = bad, ns, len(opt.muon_param_names), dict(opt.stats), speculated
+    opt.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["max_grad_norm", "user"])
+def test_learned_clipping(how):
+    """Bug: a clip that bites every step threw every speculative wave away and re-ran it in ``step()``: NS twice
+    per matrix per step. Now ([Note: learned clipping] in ``scheduler/dispatch.py``) the step after a biting clip
+    launches its waves in ``step()``, after the clip: NS once per step from step 2; once the clip stops biting,
+    the next step speculates again. Bitwise equal to torch after every step."""
+    bad, ns, mats, stats, speculated = _clip_run(how, steps=6, bite_until=3)
+    assert not bad, bad
+    assert ns == [2 * mats, mats, mats, mats, mats, mats], ns
+    assert stats["edit_held_steps"] == 3 and stats["reruns"] == mats, stats  # steps 1-3 held; step 3 unclipped
+    assert speculated == [True, False, False, False, True, True], speculated

@@ -120,11 +120,12 @@ def _trainer_body(rank, world, max_grad_norm, callback=True, fsdp=False, factory
                                            pytest.param(100.0, marks=pytest.mark.slow)])  # 0 and 100: long tier
 def test_trainer_keeps_the_overlap_and_is_exact(max_grad_norm, world):
     """World 1 (no DDP) and world 2 (Trainer's DDP, with the callback): bitwise the reference, and waves re-run
-    only on the steps where clipping bites (``max_grad_norm=0``: Trainer still clips with ``inf`` to log the norm;
-    ``100``: never bites; ``1.0``: bites on this model's steps)."""
+    only on the first step where clipping bites: the steps after it launch their waves after the clip ([Note:
+    learned clipping] in ``scheduler/dispatch.py``) (``max_grad_norm=0``: Trainer still clips with ``inf`` to log
+    the norm; ``100``: never bites; ``1.0``: bites on every step of this model)."""
     for bad, reruns, waves, bit, _ in run_ranks(_trainer_body, world, max_grad_norm, timeout=250):
         assert bad == [], bad
-        assert reruns == waves * bit, (reruns, waves, bit)
+        assert reruns == waves * min(bit, 1), (reruns, waves, bit)
         if max_grad_norm != 1.0:
             assert bit == 0 and reruns == 0
 
@@ -187,9 +188,11 @@ def _accelerate_clip_fsdp2_body(rank, world, max_norm):
 @pytest.mark.parametrize("max_norm", [float("inf"), 1e-3])
 def test_accelerate_clip_on_fsdp2_grads(max_norm):
     """FSDP2 at world 2: a clip that does not bite (``inf``, Trainer's logging clip) re-runs nothing; one that bites
-    every step re-runs every wave."""
+    every step re-runs every wave of its first step, and the steps after it launch their waves after the clip
+    ([Note: learned clipping] in ``scheduler/dispatch.py``)."""
     for reruns, waves, bit in run_ranks(_accelerate_clip_fsdp2_body, 2, max_norm, timeout=120):
-        assert reruns == waves * bit and bit == (0 if max_norm == float("inf") else STEPS), (reruns, waves, bit)
+        assert reruns == waves * min(bit, 1) and bit == (0 if max_norm == float("inf") else STEPS), (reruns, waves,
+                                                                                                      bit)
 
 
 def test_callback_without_the_trainer_takes_accelerates_optimizer():

@@ -170,6 +170,11 @@ _PACK_BYTES = 16
 #: Apply, per element of the local shard: bf16 receive-buffer copy (2) + bf16 update read (2) + fp32 param
 #: read and write (8).
 _APPLY_BYTES = 12
+#: [Note: content fingerprints] (overlap_muon/wave_state.py): ``step()`` reads every gradient and momentum shard a
+#: wave read again (8 B/element, fp32), in three passes of the words (read, product write, product read).
+_CONTENT_BYTES = 24
+#: The content check's one host read per step on CUDA: the host waits for the queued work (a sync), seconds.
+_CONTENT_SYNC_S = 50e-6
 #: A lane item is finished when less than this much of it (seconds) is left: absorbs float round-off.
 _EPS = 1e-12
 #: How a fused exchange crosses nodes ([Note: node-aware exchange in the model]).
@@ -640,6 +645,13 @@ class SimResult:
     """bf16 bytes one rank sends to the homes per step (one direction; the way back moves as many), B."""
     exchange_s: float
     """Sum over waves of both exchanges (with latency, without pack/apply), seconds."""
+    content_check_s: float
+    """The commit's content check on the step's critical path ([Note: content fingerprints] in
+    ``overlap_muon/wave_state.py``): ``_CONTENT_BYTES`` per element of this rank's Muon shards at
+    ``elementwise_bytes_per_s``, plus one host sync (``_CONTENT_SYNC_S``), seconds. (The pack's own fingerprint,
+    as many bytes again, runs on the comm lane and is not modelled.)"""
+    content_check_fraction: float
+    """``content_check_s / step_overlap_s``."""
     exposed_no_overlap_s: float
     """Optimizer time added to the step without overlap (the whole optimizer after backward), seconds."""
     exposed_overlap_s: float
@@ -1262,6 +1274,8 @@ def simulate(config: SimConfig) -> SimResult:
         pack = elems * _PACK_BYTES / elem_bw if elem_bw else 0.0
         apply = elems * _APPLY_BYTES / elem_bw if elem_bw else 0.0
         exchange += (p.to_home_s - pack) + (p.from_home_s - apply)
+    local_elems = sum(sh[0] * sh[1] / S for sh in shapes)
+    content = (local_elems * _CONTENT_BYTES / elem_bw if elem_bw else 0.0) + _CONTENT_SYNC_S
 
     timings = tuple(
         WaveTiming(
@@ -1298,6 +1312,8 @@ def simulate(config: SimConfig) -> SimResult:
         ns_load_max_over_mean=load_max / load_mean if load_mean > 0 else 1.0,
         exchange_bytes_per_rank=sent,
         exchange_s=exchange,
+        content_check_s=content,
+        content_check_fraction=content / step_ovl if step_ovl > 0 else 0.0,
         exposed_no_overlap_s=exposed_no,
         exposed_overlap_s=exposed_ovl,
         overlap_wait_s=ovl.wait_s,
@@ -1478,6 +1494,8 @@ def _format_result(cfg: SimConfig, r: SimResult, max_wave_rows: int = 12) -> str
         f"{100 * r.exposed_fraction_overlap:>11.2f}%",
         f"  (async_step: {_ms(r.overlap_wait_s).strip()} waiting in the next forward, "
         f"{_ms(r.overlap_slowdown_s).strip()} contention; step speed-up x{r.speedup:.3f})",
+        f"content check at commit: {_ms(r.content_check_s).strip()} per step (one host sync included), "
+        f"{100 * r.content_check_fraction:.3f}% of the async_step step",
         "",
         "overlapped run, per wave (times since the last backward started):",
         f"{'wave':>5}{'mats':>6}{'layers':>10}{'NS max':>12}{'to-home':>12}{'launch':>12}{'NS done':>12}"

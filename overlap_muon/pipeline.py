@@ -115,7 +115,9 @@ class WavePipeline:
         items = [i for i in wave.params if self.muon[i].param.grad is not None]
         grads = [self.muon[i].param.grad for i in items]
         how = CommitAtPack() if committed else KeepForApply() if self.keep_momentum else CommitAtApply()
-        reads = Reads(hyper, self.state, [self.muon[i] for i in items], grads, self.config.content_check)
+        # A committed wave (launched inside step()) is never compared: no fingerprint ([Note: content fingerprints]).
+        reads = Reads(hyper, self.state, [self.muon[i] for i in items], grads,
+                      self.config.content_check and not committed)
         st = WaveState(wave, items, hyper, grads, reads=reads, momentum=how)
         if committed:
             create_momentum(self.state, [self.muon[i] for i in items])

@@ -46,7 +46,9 @@ takes it again and re-runs the wave when the two differ.
 The fingerprint of a tensor is one ``int64``: its bytes are read as 64-bit words ``x_i`` (the bytes before the first
 8-byte-aligned word and a tail shorter than a word as single bytes), in blocks of ``BLOCK`` words; each block's sum
 ``s_b = sum_i w_i x_i`` and then ``sum_b v_b s_b`` are taken modulo ``2**64`` (two's-complement wrap-around), with
-fixed pseudo-random *odd* weights ``w`` and ``v``. One pass over the data, no copy of it, on the tensor's device.
+fixed pseudo-random *odd* weights ``w`` and ``v`` (a tensor of at most ``BLOCK`` whole words: its one block's sum).
+One pass over the data, no copy of it, on the tensor's device. Waves launched inside a synchronous ``step()``
+(nothing can change what they read before their commit) take none.
 
 Collision odds: a write changes the words by ``d_i = x'_i - x_i``. A write that changes a single word is always
 caught (``w_i`` odd, so ``w_i d_i != 0 mod 2**64``, and the same for the block sum times ``v_b``). Otherwise it
@@ -103,9 +105,23 @@ def _weights(device: torch.device, blocks: int) -> tuple[Tensor, Tensor]:
 
 
 def _one(t: Tensor) -> Tensor:
-    """The fingerprint of one tensor's bytes (a 0-d ``int64`` on its device)."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    head = min(-b.storage_offset() % 8, b.numel())  # bytes before the first 8-aligned word (bucket views)
+    """The fingerprint of one tensor's bytes (a 0-d ``int64`` on its device). Few ops where the bytes are whole
+    aligned words (the common case: the host cost counts on many small matrices)."""
+    flat = t.detach().reshape(-1)
+    size = flat.element_size()
+    if (flat.numel() * size) % 8 == 0 and (flat.storage_offset() * size) % 8 == 0:
+        words = flat.view(torch.int64)
+        n = words.numel()
+        if n <= BLOCK:
+            return (words * _weights(t.device, 1)[0][:n]).sum()
+        full = n // BLOCK
+        w, v = _weights(t.device, full + 1)
+        s = (words[: full * BLOCK].view(full, BLOCK) * w).sum(1)
+        if n > full * BLOCK:
+            s = torch.cat([s, (words[full * BLOCK:] * w[: n - full * BLOCK]).sum().reshape(1)])
+        return (s * v[: s.numel()]).sum()
+    b = flat.view(torch.uint8)
+    head = min(-b.storage_offset() % 8, b.numel())  # bytes before the first 8-byte-aligned word (bucket views)
     n = (b.numel() - head) // 8
     words = b[head: head + n * 8].view(torch.int64)
     edges = torch.cat([b[:head], b[head + n * 8:]]).to(torch.int64)  # at most 14 single bytes

@@ -17,6 +17,17 @@ from tests.seams import SeamedOverlapMuon as OverlapMuon
 STEPS, MICRO = 4, 2
 
 
+def _accumulated_step(pairs, xs: list[torch.Tensor]) -> None:
+    """One step of ``len(xs)`` micro-batches on each ``(model, optimizers)`` pair, each loss divided by MICRO."""
+    for m, opts in pairs:
+        for x in xs:
+            (m(x).pow(2).mean() / MICRO).backward()
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad()
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -60,13 +71,7 @@ def test_reentrant_checkpointing_learns_the_accumulation(mode):
     for s in range(STEPS):
         before = opt.stats["ns_matrices"]
         xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * s + k)) for k in range(MICRO)]
-        for m, opts in ((model, [opt]), (ref, refs)):
-            for x in xs:
-                (m(x).pow(2).mean() / MICRO).backward()
-            for o in opts:
-                o.step()
-            for o in opts:
-                o.zero_grad()
+        _accumulated_step(((model, [opt]), (ref, refs)), xs)
         opt.synchronize()
         ns.append(opt.stats["ns_matrices"] - before)
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())), s
@@ -93,13 +98,7 @@ def _ddp_attached_body(rank, world, mode):
     for s in range(STEPS):
         before = opt.stats["ns_matrices"]
         xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(40 * s + 10 * k + rank)) for k in range(MICRO)]
-        for m, opts in ((ddp, [opt]), (ref_ddp, ref_opts)):
-            for x in xs:
-                (m(x).pow(2).mean() / MICRO).backward()
-            for o in opts:
-                o.step()
-            for o in opts:
-                o.zero_grad()
+        _accumulated_step(((ddp, [opt]), (ref_ddp, ref_opts)), xs)
         opt.synchronize()
         ns.append(opt.stats["ns_matrices"] - before)
         bad = bad or (_diff(base, ref) and (s, _diff(base, ref)))

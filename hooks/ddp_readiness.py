@@ -195,6 +195,8 @@ def watch_for_ddp(model: torch.nn.Module, on_found: Callable[[torch.nn.Module], 
     handle: list[Any] = []
 
     def pre_hook(module: torch.nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():  # traced to nothing inside a compiled region (no graph break)
+            return
         if module is model:
             handle[0].remove()
         elif isinstance(module, DistributedDataParallel) and (

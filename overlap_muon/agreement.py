@@ -107,6 +107,15 @@ class Agreement:
                 out[k] = "content"
         return out
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (one host flag, a max over the runtime's gloo group): a decision every
+        rank must take alike ([Note: learned clipping] in ``scheduler/dispatch.py``)."""
+        if self.ctrl_group is None:
+            return flag
+        flags = torch.tensor([1 if flag else 0], dtype=torch.uint8)
+        self._agree(flags, self.ctrl_group, lambda: [])
+        return bool(flags[0])
+
     def adamw_elsewhere(self) -> set[int]:
         """``id``s of the AdamW params that had a gradient on another rank and not on this one at the last step's
         agreement ([Note: lazy state] in ``state.py``); read once."""

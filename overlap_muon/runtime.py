@@ -67,12 +67,6 @@ def _remove_all(handles: list, pipeline: WavePipeline, fixed: list[bool]) -> Non
         version_fix.release()
 
 
-def _edit_reruns(stats: dict[str, int]) -> int:
-    """Waves re-run so far because a gradient was edited or replaced after backward ([Note: learned clipping])."""
-    return sum(v for k, v in stats.items() if k.startswith(("reruns.grad_edited", "reruns.grad_replaced",
-                                                            "reruns.content")))
-
-
 class Runtime:
     """The plan, the hooks and the step's machinery of one optimizer; its verbs (``discard``, ``wait_for``,
     ``synchronize``, ...) are what the optimizer calls.
@@ -306,14 +300,16 @@ class Runtime:
         :attr:`StepPhase.STEP`; :meth:`end_step` leaves it). Returns ``(applies, norm before clipping, reruns)``."""
         self.phase = StepPhase.STEP
         stats = self.pipeline.stats
-        edited = self.edits.hold and self.edits.edited_since_backward(self._grad_versions)
-        stats["edit_held_steps"] += self.edits.hold
-        clipped, before = stats["clipped_steps"], _edit_reruns(stats)
+        held = self.edits.hold
+        edited = held and self.edits.edited_since_backward(self._grad_versions)
+        stats["edit_held_steps"] += held
+        clipped = stats["clipped_steps"]
         ok, norm = self.prepare(max_grad_norm, clip_params)
         agreed = self.launch_rest(ok)
         reruns = self.commit(ok, agreed)
-        if self.config.learn_clipping and self.config.overlap:  # [Note: learned clipping]
-            self.edits.stepped(edited or stats["clipped_steps"] > clipped or _edit_reruns(stats) > before)
+        if self.config.learn_clipping and self.config.overlap:  # [Note: learned clipping]; every rank alike:
+            edited = edited or stats["clipped_steps"] > clipped  # re-runs are agreed, a held step's edit is here
+            self.edits.stepped(reruns > 0 or (held and self.agreement.any_rank(edited)))
         return ok, norm, reruns
 
     def _grad_versions(self) -> list[tuple[int, int]]:

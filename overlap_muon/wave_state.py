@@ -43,11 +43,12 @@ the records saw nothing ([Note: content fingerprints]; ``content_check``).
 ``ProcessGroup`` method). So the pack also takes a fingerprint of the bytes it is about to read, and the commit
 takes it again and re-runs the wave when the two differ.
 
-The fingerprint of a tensor is one ``int64``: its bytes are read as 64-bit words ``x_i`` (the bytes before the first
-8-byte-aligned word and a tail shorter than a word as single bytes), in blocks of ``BLOCK`` words; each block's sum
+The fingerprint of a tensor is one ``int64``: its bytes are read as 64-bit words ``x_i`` (a tensor whose bytes do
+not start on an 8-byte boundary is copied first; a tail shorter than a word counts as single bytes with the block
+weights ``v``), in blocks of ``BLOCK`` words; each block's sum
 ``s_b = sum_i w_i x_i`` and then ``sum_b v_b s_b`` are taken modulo ``2**64`` (two's-complement wrap-around), with
 fixed pseudo-random *odd* weights ``w`` and ``v`` (a tensor of at most ``BLOCK`` whole words: its one block's sum).
-One pass over the data, no copy of it, on the tensor's device. Waves launched inside a synchronous ``step()``
+One pass over the data (a copy first only where it does not start aligned), on its device. Waves launched in a ``step()``
 (nothing can change what they read before their commit) take none.
 
 Collision odds: a write changes the words by ``d_i = x'_i - x_i``. A write that changes a single word is always
@@ -106,32 +107,31 @@ def _weights(device: torch.device, blocks: int) -> tuple[Tensor, Tensor]:
 
 def _one(t: Tensor) -> Tensor:
     """The fingerprint of one tensor's bytes (a 0-d ``int64`` on its device). Few ops where the bytes are whole
-    aligned words (the common case: the host cost counts on many small matrices)."""
+    8-byte-aligned words (the common case: the host cost counts on many small matrices); otherwise on a copy, whose
+    bytes start aligned, with a tail of single bytes. Never raises on a valid tensor: a pack that failed on one rank
+    only would leave the ranks' collectives out of step."""
     flat = t.detach().reshape(-1)
     size = flat.element_size()
-    if (flat.numel() * size) % 8 == 0 and (flat.storage_offset() * size) % 8 == 0:
-        words = flat.view(torch.int64)
-        n = words.numel()
-        if n <= BLOCK:
-            return (words * _weights(t.device, 1)[0][:n]).sum()
-        full = n // BLOCK
-        w, v = _weights(t.device, full + 1)
-        s = (words[: full * BLOCK].view(full, BLOCK) * w).sum(1)
-        if n > full * BLOCK:
-            s = torch.cat([s, (words[full * BLOCK:] * w[: n - full * BLOCK]).sum().reshape(1)])
-        return (s * v[: s.numel()]).sum()
-    b = flat.view(torch.uint8)
-    head = min(-b.storage_offset() % 8, b.numel())  # bytes before the first 8-byte-aligned word (bucket views)
-    n = (b.numel() - head) // 8
-    words = b[head: head + n * 8].view(torch.int64)
-    edges = torch.cat([b[:head], b[head + n * 8:]]).to(torch.int64)  # at most 14 single bytes
+    if flat.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    if (flat.numel() * size) % 8 or (flat.storage_offset() * size) % 8:
+        flat = flat.clone()  # storage offset 0: aligned
+        b = flat.view(torch.uint8)
+        n = b.numel() // 8
+        tail = (b[n * 8:].to(torch.int64) * _weights(t.device, 1)[1][: b.numel() - n * 8]).sum()
+        return tail + (_words(b[: n * 8].view(torch.int64), t.device) if n else 0)
+    return _words(flat.view(torch.int64), t.device)
+
+
+def _words(words: Tensor, device: torch.device) -> Tensor:
+    n = words.numel()
+    if n <= BLOCK:
+        return (words * _weights(device, 1)[0][:n]).sum()
     full = n // BLOCK
-    w, v = _weights(t.device, full + 2)
-    sums = [(words[: full * BLOCK].view(full, BLOCK) * w).sum(1)] if full else []
-    rest = words[full * BLOCK:]
-    sums.append((rest * w[: rest.numel()]).sum().reshape(1))
-    sums.append((edges * w[: edges.numel()]).sum().reshape(1))
-    s = torch.cat(sums)
+    w, v = _weights(device, full + 1)
+    s = (words[: full * BLOCK].view(full, BLOCK) * w).sum(1)
+    if n > full * BLOCK:
+        s = torch.cat([s, (words[full * BLOCK:] * w[: n - full * BLOCK]).sum().reshape(1)])
     return (s * v[: s.numel()]).sum()
 
 

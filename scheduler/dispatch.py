@@ -202,7 +202,9 @@ class LearnedEdits:
     ``step()``, after the edit, once: the synchronous step's cost, not twice it. Such a held step still learns
     whether the edit happened (its gradients' version counters moved between the end of backward and ``step()``,
     or ``max_grad_norm``'s own clip bit): once a step is not edited, speculation resumes at the next one. Exact
-    either way: a held wave reads what the edit left.
+    either way: a held wave reads what the edit left. The ranks decide alike (or their collectives would part): a
+    speculative step holds the next one when the agreed set of re-run waves is not empty, whatever the cause; a held
+    step's edit is agreed over the ranks (one host flag).
     """
 
     def __init__(self) -> None:

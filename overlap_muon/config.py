@@ -95,10 +95,11 @@ class OverlapMuonConfig:
     GradScaler's unscale), the next step launches its waves in ``step()``, after the edit, instead of launching
     them in backward and re-running them all; speculation resumes after a step without an edit ([Note: learned
     clipping] in ``scheduler/dispatch.py``). ``False``: every step speculates."""
-    auto_overlap: bool = _opt(False, "OVERLAP_MUON_AUTO_OVERLAP", kind=bool)
-    """Overlap mode (without ``async_step`` or ``wave_slots``): time a few iterations with the overlap on and off
-    early in training, agree across ranks, and keep the faster ([Note: overlap where it pays] in
-    ``overlap_choice.py``); the same bits either way."""
+    auto_overlap: bool = _opt(True, "OVERLAP_MUON_AUTO_OVERLAP", kind=bool)
+    """Time a few iterations with the overlap on and off early in training, agree across ranks, and keep the faster
+    ([Note: overlap where it pays] in ``overlap_choice.py``); the same bits either way. On by default where nothing
+    else decides the mode: a ``overlap``, ``async_step`` or ``wave_slots`` the user sets wins (silently; with
+    ``auto_overlap`` set too, one warning says which wins)."""
     skip_nonfinite: bool = _opt(False, "OVERLAP_MUON_SKIP_NONFINITE", kind=bool)
     """Skip the whole step on every rank when any Muon gradient on any rank is non-finite."""
     syrk: bool = _opt(False, "OVERLAP_MUON_SYRK", kind=bool)

@@ -77,16 +77,20 @@ class OverlapChoice:
 
 
 def overlap_choice(config: Any, async_step: bool, event: Callable[[], Any] | None) -> OverlapChoice | None:
-    """The trial of ``config.auto_overlap``, or ``None`` where it does not run: without the option, or where
-    another option decides the mode (``overlap=False``, ``async_step=True``, ``wave_slots``); there one warning at
-    construction names the option that wins."""
+    """The trial of ``config.auto_overlap`` (on by default), or ``None`` where it does not run: without the
+    option, or where another option decides the mode (``overlap=False``, ``async_step=True``, ``wave_slots``, or
+    an ``overlap=True`` the user set while ``auto_overlap`` is the default). Where the user set ``auto_overlap``
+    too, one warning at construction names the option that wins."""
     if not config.auto_overlap:
         return None
+    chosen = config.sources.get("auto_overlap", "default") != "default"
     wins = ("overlap=False" if not config.overlap else "async_step=True" if async_step else
-            f"wave_slots={config.wave_slots}" if config.wave_slots is not None else None)
+            f"wave_slots={config.wave_slots}" if config.wave_slots is not None else
+            "overlap=True" if not chosen and config.sources.get("overlap", "default") != "default" else None)
     if wins is not None:
-        warn_user(f"OverlapMuon: auto_overlap=True does not combine with {wins}, which wins: no trial runs and the "
-                  f"mode stays as {wins} sets it")
+        if chosen:
+            warn_user(f"OverlapMuon: auto_overlap=True does not combine with {wins}, which wins: no trial runs and "
+                      f"the mode stays as {wins} sets it")
         return None
     return OverlapChoice(event)
 

@@ -135,6 +135,37 @@ def test_auto_overlap_with_an_option_that_decides_says_which_wins(other):
     opt.close()
 
 
+@pytest.mark.timeout(60)
+def test_auto_overlap_is_the_default_unless_a_mode_is_chosen():
+    """``auto_overlap`` is on by default: a default optimizer runs the trial and keeps a mode (bitwise either way);
+    an ``overlap`` the user sets decides without a trial and without a warning."""
+    import warnings
+
+    from tests.models import TinyNet
+    from tests.test_wave_inputs import _diff, _ref_opts
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    opt, refs = OverlapMuon(model, adamw_kwargs=ADAMW_KW, **HP), _ref_opts(ref)
+    assert opt.config.auto_overlap and opt.config.sources["auto_overlap"] == "default"
+    for s in range(16):  # one untimed step, 5 + 1 + 5 trial iterations, then the choice
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(s))
+        for m, opts in ((model, [opt]), (ref, refs)):
+            m(x).pow(2).mean().backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        assert not _diff(model, ref), s
+    assert "overlap_auto_chose_on" in opt.stats and opt.stats["overlap_auto_on_us"] > 0, dict(opt.stats)
+    opt.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chosen = OverlapMuon(TinyNet(), overlap=True, **HP)
+    assert chosen._rt.choice is None
+    chosen.close()
+
+
 def test_superseded_launches_never_read_as_more_reruns_than_waves():
     """Bug: "18 of 6 waves re-ran in step()": the extra backwards re-launched the waves during backward, several
     times a step. The message now counts launches and says so."""

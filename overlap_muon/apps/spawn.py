@@ -44,7 +44,7 @@ def _context() -> Any:
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface (bound and released; the race is accepted)."""
+    """A free TCP port on the loopback interface (bound and released; :func:`spawn_ranks` retries on the race)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -105,6 +105,17 @@ def spawn_ranks(
         Per rank ``(True, return value)``, or ``(False, message)`` with the rank's traceback, or a note that it
         died without reporting or gave no result before ``timeout`` (a hang). Never raises for a rank's failure.
     """
+    for _ in range(3):  # free_port's race: another process may take the port before rank 0's store binds it
+        res = _spawn_once(fn, world_size, args, timeout, pg_timeout, env, backend, kwargs)
+        if not any(not ok and "EADDRINUSE" in str(msg) for ok, msg in res):
+            break
+    return res
+
+
+def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout: float,
+                env: dict[str, str] | None, backend: str, kwargs: dict) -> list[tuple[bool, Any]]:
+    """One attempt of :func:`spawn_ranks` on a fresh port; a rank whose store could not bind it ends the attempt
+    at once (the others would wait for the store until ``timeout``)."""
     ctx = _context()
     port = free_port()
     out_q = ctx.Queue()
@@ -125,7 +136,7 @@ def spawn_ranks(
     try:
         while len(results) < world_size:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or any(not ok and "EADDRINUSE" in str(msg) for ok, msg in results.values()):
                 break
             try:
                 take(min(left, 1.0))

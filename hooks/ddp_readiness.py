@@ -43,7 +43,7 @@ def _ddp_readiness_comm_hook(
     buf = bucket.buffer()
     params = bucket.parameters()
     views = bucket.gradients()  # views of the bucket, in params order
-    watched: list[tuple[torch.Tensor, int, int]] = []  # (param, index, offset of its view in the bucket)
+    watched: list[tuple[torch.Tensor, int, torch.Tensor]] = []  # (param, index, its view of the bucket)
     for p, v in zip(params, views):
         if p.grad is not None and not state.copy and not _shares_storage(p.grad, buf):
             # Raised on every rank alike (same DDP config), before the all-reduce.
@@ -54,7 +54,7 @@ def _ddp_readiness_comm_hook(
             )
         idx = state.param_index.get(id(p))
         if idx is not None:
-            watched.append((p, idx, v.storage_offset() - buf.storage_offset()))
+            watched.append((p, idx, v))
     if state.user_hook is not None:
         fut = state.user_hook(state.user_state, bucket)
     else:
@@ -67,11 +67,12 @@ def _ddp_readiness_comm_hook(
         value = f.value()
         out = value[0] if isinstance(value, (list, tuple)) else value
         if state.copy:  # DDP copies the same bytes again in finalize_backward
-            flat = out.reshape(-1)
+            same = _shares_storage(out, buf)
             with torch.no_grad():
-                for p, _, off in watched:
-                    if p.grad is not None:
-                        p.grad.copy_(flat[off: off + p.grad.numel()].view_as(p.grad))
+                for p, _, v in watched:
+                    if p.grad is not None:  # the view's own layout (DDP lays a bucket view out as its grad)
+                        p.grad.copy_(v if same else out.as_strided(
+                            v.size(), v.stride(), out.storage_offset() + v.storage_offset() - buf.storage_offset()))
             ready = [idx for p, idx, _ in watched if p.grad is not None]
         else:
             # A result in the bucket itself is in .grad now; any other one DDP copies there at the end of

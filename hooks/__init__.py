@@ -13,6 +13,7 @@ from .ddp_readiness import attach_ddp_readiness, ddp_readiness_hook, watch_for_d
 from .pipeline_stage import watch_stage
 
 __all__ = [
-    "GradReadyTracker", "attach_ddp_readiness", "compile_boundary", "ddp_readiness_hook", "fsdp_param_streams", "params_read_by_module", "register_forward_waits",
-    "ParamOwners", "weak_callback", "watch_stage", "watch_for_ddp", "EndOfBackward",
+    "GradReadyTracker", "EndOfBackward", "attach_ddp_readiness", "compile_boundary", "ddp_readiness_hook",
+    "fsdp_param_streams", "params_read_by_module", "register_forward_waits", "ParamOwners", "weak_callback",
+    "watch_stage", "watch_for_ddp",
 ]

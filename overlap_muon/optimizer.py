@@ -345,9 +345,10 @@ class OverlapMuon(torch.optim.Optimizer):
         Under DDP a per-param hook sees the local, un-averaged gradient; the comm hook signals a bucket's params
         once its all-reduce has completed, so waves read DDP's averaged gradients (with or without
         ``gradient_as_bucket_view``: [Note: DDP readiness] in ``hooks/ddp_readiness.py``). Called by the
-        constructor when given a DDP model, and when a DDP wrapped around the model later runs its first forward. A comm hook the user
-        registers afterwards (``fp16_compress_hook``, PowerSGD) is chained (``hooks.attach_ddp_readiness``); one
-        registered before leaves DDP no room for ours: the waves then launch in ``step()`` and a warning says so.
+        constructor when given a DDP model, and when a DDP wrapped around the model later runs its first forward.
+        A comm hook the user registers afterwards (``fp16_compress_hook``, PowerSGD) is chained
+        (``hooks.attach_ddp_readiness``); one registered before leaves DDP no room for ours: the waves then launch
+        in ``step()`` and a warning says so.
 
         Raises:
             TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.

@@ -48,8 +48,8 @@ not start on an 8-byte boundary is copied first; a tail shorter than a word coun
 weights ``v``), in blocks of ``BLOCK`` words; each block's sum
 ``s_b = sum_i w_i x_i`` and then ``sum_b v_b s_b`` are taken modulo ``2**64`` (two's-complement wrap-around), with
 fixed pseudo-random *odd* weights ``w`` and ``v`` (a tensor of at most ``BLOCK`` whole words: its one block's sum).
-One pass over the data (a copy first only where it does not start aligned), on its device. Waves launched in a ``step()``
-(nothing can change what they read before their commit) take none.
+One pass over the data (a copy first only where it does not start aligned), on its device. Waves launched in a
+synchronous ``step()`` (nothing can change what they read before their commit) take none.
 
 Collision odds: a write changes the words by ``d_i = x'_i - x_i``. A write that changes a single word is always
 caught (``w_i`` odd, so ``w_i d_i != 0 mod 2**64``, and the same for the block sum times ``v_b``). Otherwise it

@@ -288,9 +288,7 @@ class WavePipeline:
                 self._orphan(st)
 
     def rebase_grad_versions(self) -> None:
-        """Re-take the gradient version records of the uncommitted waves: DDP's ``finalize_backward`` copied into
-        each gradient the bytes the waves read ([Note: DDP readiness] in ``hooks/ddp_readiness.py``). The content
-        check still compares the bytes at commit."""
+        """Re-take the uncommitted waves' gradient versions ([Note: DDP readiness], hooks/ddp_readiness.py)."""
         with self._lock:
             for st in self._pending.values():
                 if st.reads is not None:

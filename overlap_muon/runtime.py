@@ -98,7 +98,8 @@ class Runtime:
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
         self.phase = StepPhase.IDLE
         self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
-        self.edits = LearnedEdits()  # [Note: learned clipping] in scheduler/dispatch.py
+        self.edits = LearnedEdits(  # [Note: learned clipping] in scheduler/dispatch.py
+            lambda: [versions(m.param.grad) if m.param.grad is not None else (-1, -1) for m in muon])
         self._warned_capture = False
         self.ddp_copies = False  # an attached DDP without gradient_as_bucket_view ([Note: DDP readiness])
         self.fixed = [False]  # whether this optimizer holds the version fix (``hook``)
@@ -224,23 +225,25 @@ class Runtime:
     def on_backward_end(self) -> None:
         if self.pipeline.lanes.capturing():  # a replay runs no hook: count nothing, launch nothing
             return
-        held = self.config.learn_accumulation and self.backwards.holds()
-        self.backwards.backward_ended()
-        self.edits.backward_ended(self._grad_versions)
-        if held:
-            self.pipeline.stats["held_backwards"] += 1
-        elif self.phase is not StepPhase.ACCUMULATING and self.config.overlap and not self.edits.hold:
+        if not self._count_backward() and self.phase is not StepPhase.ACCUMULATING and self.config.overlap \
+                and not self.edits.hold:
             self.dispatcher.flush()
 
     def on_ddp_backward_end(self) -> None:
         """Under an attached DDP: count the backward (learned accumulation), launch nothing (an unused param's
         gradient appears only in DDP's own end-of-backward work: ``step()`` flushes)."""
-        if self.config.learn_accumulation and self.backwards.holds():
-            self.pipeline.stats["held_backwards"] += 1
-        self.backwards.backward_ended()
-        self.edits.backward_ended(self._grad_versions)
+        self._count_backward()
         if self.ddp_copies:  # DDP's finalize_backward re-copied the bytes the waves read: same bytes, new versions
             self.pipeline.rebase_grad_versions()
+
+    def _count_backward(self) -> bool:
+        """A backward ended ([Note: learned accumulation], [Note: learned clipping]); returns whether it was held
+        (not expected to be the step's last)."""
+        held = self.config.learn_accumulation and self.backwards.holds()
+        self.backwards.backward_ended()
+        self.edits.backward_ended()
+        self.pipeline.stats["held_backwards"] += held
+        return held
 
     def _captured(self) -> None:
         """[Note: CUDA graph capture] A backward captured in a CUDA graph (torchtitan's default: its
@@ -300,20 +303,14 @@ class Runtime:
         :attr:`StepPhase.STEP`; :meth:`end_step` leaves it). Returns ``(applies, norm before clipping, reruns)``."""
         self.phase = StepPhase.STEP
         stats = self.pipeline.stats
-        held = self.edits.hold
-        edited = held and self.edits.edited_since_backward(self._grad_versions)
-        stats["edit_held_steps"] += held
+        stats["edit_held_steps"] += self.edits.hold
         clipped = stats["clipped_steps"]
         ok, norm = self.prepare(max_grad_norm, clip_params)
         agreed = self.launch_rest(ok)
         reruns = self.commit(ok, agreed)
-        if self.config.learn_clipping and self.config.overlap:  # [Note: learned clipping]; every rank alike:
-            edited = edited or stats["clipped_steps"] > clipped  # re-runs are agreed, a held step's edit is here
-            self.edits.stepped(reruns > 0 or (held and self.agreement.any_rank(edited)))
+        if self.config.learn_clipping and self.config.overlap:  # [Note: learned clipping]: every rank alike
+            self.edits.stepped(reruns, stats["clipped_steps"] > clipped, self.agreement.any_rank)
         return ok, norm, reruns
-
-    def _grad_versions(self) -> list[tuple[int, int]]:
-        return [versions(m.param.grad) if m.param.grad is not None else (-1, -1) for m in self.muon]
 
     def end_step(self) -> None:
         """Leave the step (also when it raised): backward's hooks launch speculative waves again, from the backward

@@ -205,25 +205,28 @@ class LearnedEdits:
     either way: a held wave reads what the edit left. The ranks decide alike (or their collectives would part): a
     speculative step holds the next one when the agreed set of re-run waves is not empty, whatever the cause; a held
     step's edit is agreed over the ranks (one host flag).
+
+    Args:
+        versions: the gradients' version counters now (one entry per watched gradient, in a fixed order).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, versions: Callable[[], list[tuple[int, int]]]) -> None:
         self.hold = False
+        self._now = versions
         self._versions: list[tuple[int, int]] | None = None  # the gradients' counters at the end of a held backward
 
-    def backward_ended(self, versions: Callable[[], list[tuple[int, int]]]) -> None:
-        """A backward of a held step ended: remember its gradients' counters (``versions()``)."""
+    def backward_ended(self) -> None:
+        """A backward ended: a held step remembers its gradients' counters."""
         if self.hold:
-            self._versions = versions()
+            self._versions = self._now()
 
-    def edited_since_backward(self, versions: Callable[[], list[tuple[int, int]]]) -> bool:
-        """A held step, at ``step()``: whether its gradients were edited since its backward ended."""
-        return self._versions is not None and versions() != self._versions
-
-    def stepped(self, edited: bool) -> None:
-        """The step ended; ``edited``: an edit made its waves stale (speculative step), or moved its gradients
-        (held step). The next step holds exactly when this one was edited."""
-        self.hold, self._versions = edited, None
+    def stepped(self, reruns: int, clipped: bool, any_rank: Callable[[bool], bool]) -> None:
+        """The step's waves are committed: ``reruns`` waves re-ran (agreed over the ranks), ``clipped``: the
+        optimizer's own clip bit. A held step asks ``any_rank`` (a max of one flag over the ranks) whether its
+        gradients moved since its backward ended. The next step holds exactly when this one was edited."""
+        held = self.hold
+        moved = held and self._versions is not None and self._now() != self._versions
+        self.hold, self._versions = reruns > 0 or (held and any_rank(moved or clipped)), None
 
 
 class ReadinessRecorder:

@@ -31,6 +31,7 @@ kind           trip
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,10 +112,19 @@ class ExchangeContext:
     buffers: dict[Any, dict] | None = None
     """CPU: each routed exchange's reserved buffers, by (direction, wave, params) ([Note: reserved exchange
     buffers] in ``layer_sharded_a2a/_route.py``); ``None``: fresh buffers each time (CUDA: the caching allocator)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards ``stats`` where two threads run :meth:`ns` at once."""
 
     def ns(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
-        """NS of each ``(P, Q)`` bf16 matrix (``ns.zeropower_each``; same-shape ones batched with ``batch_ns``)."""
-        return zeropower_each(mats, kw, self.batch_ns, self.stats)
+        """NS of each ``(P, Q)`` bf16 matrix (``ns.zeropower_each``; same-shape ones batched with ``batch_ns``).
+        Two threads may run it at once ([Note: a waiting thread helps] in ``lanes.py``): the counts add under a
+        lock."""
+        counts = {"ns_matrices": 0, "ns_calls": 0}
+        out = zeropower_each(mats, kw, self.batch_ns, counts)
+        with self.lock:
+            for k, v in counts.items():
+                self.stats[k] += v
+        return out
 
     def team_ns(self, work: list[tuple[list[Tensor], list[MuonParam], list[bool]]], kw: dict[str, Any]
                 ) -> list[Tensor]:
@@ -136,6 +146,9 @@ class Exchange:
     kind = "?"
     op = "all_to_all"
     """The collective named in errors."""
+    ns_collective = False
+    """Its NS issues collectives: its NS task stays on the compute lane's thread ([Note: a waiting thread helps] in
+    ``lanes.py``)."""
 
     def __init__(self, ctx: ExchangeContext, index: int, dom_to: Domain, dom_from: Domain) -> None:
         self.ctx, self.index, self.dom_to, self.dom_from = ctx, index, dom_to, dom_from
@@ -211,6 +224,7 @@ class Team(Exchange):
     (``split_poly``: per param, whether the ``A @ A`` product is split by rows too; decided by the planner)."""
 
     kind = "team"
+    ns_collective = True
 
     def __init__(self, ctx: ExchangeContext, index: int, dom_to: Domain, dom_from: Domain,
                  split_poly: dict[int, bool]) -> None:

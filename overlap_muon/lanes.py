@@ -27,12 +27,21 @@ Backends:
   tensors a task touches are kept by the wave pipeline's ``WaveState`` next to that event until the event has
   completed (invariant 5: no ``record_stream``).
 - inline (``side_streams=False``): the task runs immediately on the calling thread (the ablation baseline).
+
+[Note: a waiting thread helps] On CPU the thread that waits for the lanes (``step()``'s barrier, ``async_step``'s
+forward waits, ``synchronize()``) would sit idle while the compute lane works through its queue. A compute task
+submitted ``shareable`` (it issues no collective, so which thread runs it cannot change any rank's collective
+order) may run on either thread, once: the lane's worker takes the queue from the front, and :meth:`Lanes.help`,
+called by the waiting thread, takes it from the back (the last waves: those the next forward needs first). A task
+the helper took is still a step of the lane's queue: when the worker reaches it, it waits for the helper and hands
+on its value or error, so the task's handle resolves in queue order, as without help.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -134,6 +143,36 @@ class LaneHandle:
             ) from e
 
 
+class _Shared:
+    """A task that the lane's worker or a helping thread runs, whichever takes it first ([Note: a waiting thread
+    helps])."""
+
+    __slots__ = ("fn", "taken", "done", "value", "error")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn: Callable[[], Any] | None = fn
+        self.taken = False
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """Run the task on this thread (the caller has taken it)."""
+        fn, self.fn = self.fn, None  # the closure holds the wave's tensors: drop it once run
+        try:
+            self.value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed on by the worker, as any lane error
+            self.error = e
+        finally:
+            self.done.set()
+
+    def result(self) -> Any:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class Lanes:
     """Owns the runtime's side streams (CUDA) or worker threads (CPU).
 
@@ -149,6 +188,8 @@ class Lanes:
         self.inline = not side_streams
         self._executors: dict[str, cf.ThreadPoolExecutor] = {}
         self._streams: dict[str, Any] = {}
+        self._shared: list[_Shared] = []  # shareable compute tasks, in queue order ([Note: a waiting thread helps])
+        self._shared_lock = threading.Lock()
         if self.cuda:
             # to_home: pack + gather all_to_all, off the default stream so backward kernels keep running.
             self._streams["to_home"] = torch.cuda.Stream(device=device)
@@ -160,9 +201,10 @@ class Lanes:
             for name in LANES:
                 self._executors[name] = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"overlap_muon_{name}")
 
-    def submit(self, lane: str, fn: Callable[[], Any], deps: Sequence[LaneHandle] = (), name: str | None = None
-               ) -> LaneHandle:
+    def submit(self, lane: str, fn: Callable[[], Any], deps: Sequence[LaneHandle] = (), name: str | None = None,
+               shareable: bool = False) -> LaneHandle:
         """Run ``fn()`` on ``lane`` after ``deps``, inside the profiler range ``name`` (if any); return its handle.
+        ``shareable`` (CPU worker threads only): a thread in :meth:`help` may run it instead of the worker.
 
         CPU: ``fn`` runs on the lane's thread under ``torch.no_grad()`` (grad mode is thread-local) after every
         dependency's future has resolved (a failed dependency fails this task with the same error).
@@ -203,8 +245,40 @@ class Lanes:
                 f.set_exception(e)
             h.future = f
             return h
-        h.future = self._executors[lane].submit(run)
+        if shareable:
+            h.future = self._executors[lane].submit(self._share(run))
+        else:
+            h.future = self._executors[lane].submit(run)
         return h
+
+    def _share(self, run: Callable[[], Any]) -> Callable[[], Any]:
+        """Queue ``run`` as a :class:`_Shared` task; return what the lane's worker runs for it."""
+        task = _Shared(run)
+        with self._shared_lock:
+            self._shared.append(task)
+
+        def by_worker() -> Any:
+            with self._shared_lock:
+                mine = not task.taken
+                task.taken = True
+                if mine:
+                    self._shared.remove(task)
+            if mine:
+                task.run()
+            return task.result()  # taken by a helper: wait for it, hand on its value or error
+
+        return by_worker
+
+    def help(self) -> None:
+        """Run the shareable tasks no thread has taken yet on the calling thread, last queued first; return once
+        none is left ([Note: a waiting thread helps]). Their errors reach the waiters through the lane, not here."""
+        while True:
+            with self._shared_lock:
+                if not self._shared:
+                    return
+                task = self._shared.pop()
+                task.taken = True
+            task.run()
 
     def capturing(self) -> bool:
         """The current CUDA stream is capturing a CUDA graph: nothing may be queued on the lanes now (and a graph's

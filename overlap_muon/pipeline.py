@@ -141,7 +141,8 @@ class WavePipeline:
                                           wave_range_name(k, "pack"))
             st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st), [st.h_pack],
                                         wave_range_name(k, "a2a_to_home"))
-            st.h_ns = self.lanes.submit("compute", lambda: self._ns_task(st), [st.h_to], wave_range_name(k, "ns"))
+            st.h_ns = self.lanes.submit("compute", lambda: self._ns_task(st), [st.h_to], wave_range_name(k, "ns"),
+                                        shareable=not any(e.ns_collective for e in self.exchanges[k]))
             st.h_from = self.lanes.submit("from_home", lambda: self._from_home_task(st), [st.h_ns],
                                           wave_range_name(k, "a2a_from_home"))
         with self._lock:
@@ -320,6 +321,7 @@ class WavePipeline:
         Raises:
             RuntimeError: a lane task of the wave failed (its traceback is chained).
         """
+        self.lanes.help()  # [Note: a waiting thread helps] in lanes.py
         for k in waves:
             with self._lock:
                 st = self._applied.get(k)
@@ -366,6 +368,7 @@ class WavePipeline:
         Raises:
             RuntimeError: a lane task failed; its original exception (and traceback) is chained.
         """
+        self.lanes.help()
         with self._lock:
             states, self._applied = list(self._applied.values()), {}
             orphans, self._orphans = self._orphans, []

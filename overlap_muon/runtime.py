@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import builder, version_fix
-from .agreement import Agreement, max_everywhere
+from .agreement import Agreement
 from .checks import check_plan_everywhere
 from .clip import clip_grads_by_total_norm_
 from .comm import CommContext
@@ -28,7 +28,7 @@ from .placement import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
 from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
 from .messages import warn_user
-from .overlap_choice import TRIAL, overlap_choice
+from .overlap_choice import overlap_choice
 from .pipeline import WavePipeline
 from .scheduler import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher
 from .wave_state import Hyper, versions
@@ -206,6 +206,8 @@ class Runtime:
 
     # hooks -> dispatcher -> pipeline
     def on_ready(self, first: int) -> None:
+        if self.choice is not None and self.choice.result is None and not self.pipeline.lanes.capturing():
+            self.choice.begin()  # [Note: overlap where it pays]: the iteration's clock starts
         if (self.phase is StepPhase.ACCUMULATING or not self.config.overlap or self.edits.hold
                 or self.config.learn_accumulation and self.backwards.holds()):
             return
@@ -340,22 +342,15 @@ class Runtime:
         self.pipeline.wait_gradients_read()  # the applies read no gradient: the user may zero them now
 
     def _choose(self) -> None:
-        """[Note: overlap where it pays]: the next trial iteration's mode, or, once every rank's times are readable,
-        the agreed choice (one host collective per step until then; none after)."""
+        """[Note: overlap where it pays]: the next trial iteration's mode, then the agreed choice."""
         assert self.choice is not None
         trial = self.choice.mode_for_next()
         if trial is not None:
             self._set_overlap(trial)
-        if not self.choice.complete() or self.choice.result is not None:
+        agreed = self.choice.agreed(self.agreement.ctrl_group)
+        if agreed is None:
             return
-        mine = self.choice.medians()
-        times = torch.tensor([1.0, 0.0, 0.0] if mine is None else [0.0, *mine], dtype=torch.float64)
-        if self.agreement.ctrl_group is not None:
-            max_everywhere(times, self.agreement.ctrl_group)
-        if times[0] > 0:
-            return  # some rank's times are not readable yet (CUDA events still pending)
-        on, off = times[1].item(), times[2].item()
-        self.choice.result = (on, off)
+        on, off = agreed
         self._set_overlap(on <= off)
         if on > off:  # off for good: nothing of the overlap stays (hooks, the version fix)
             if self.tracker is not None:
@@ -367,9 +362,6 @@ class Runtime:
         stats = self.pipeline.stats
         stats["overlap_auto_on_us"], stats["overlap_auto_off_us"] = round(on * 1e6), round(off * 1e6)
         stats["overlap_auto_chose_on"] = int(on <= off)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.info("OverlapMuon auto_overlap: the overlap stays %s (iteration %.1f ms with it on, %.1f ms off; "
-                        "medians of %d, slowest rank)", "on" if on <= off else "off", on * 1e3, off * 1e3, TRIAL)
 
     def _set_overlap(self, on: bool) -> None:
         """Switch between launching the waves in backward (``on``) and the synchronous step (its plan, inline

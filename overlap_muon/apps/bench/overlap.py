@@ -1,20 +1,25 @@
-"""Bench case ``overlap``: how much of the optimizer's time the overlap hides in a training step.
+"""Bench case ``overlap``: how much of the optimizer's time the default hides in a training step, and how much
+the forced overlap does.
 
 A training step (forward, backward, optimizer) of a transformer-like residual stack (per block an
 attention-like pair ``(d, d)``, ``(d, d)`` and an MLP ``(4d, d)``, ``(d, 4d)``, RMS-normed, Megatron TP
-over the ranks) with ``overlap=True`` (``t_on``: the default step, which returns once its updates have
-landed), ``overlap=True, async_step=True`` (``t_async``: the next forward waits per module instead),
+over the ranks) with OverlapMuon's defaults (``t_default``: ``auto_overlap`` keeps the faster of overlap on and
+off after its trial, which the warm-up runs; the mode it kept is reported), ``overlap=True`` (``t_on``),
+``overlap=True, async_step=True`` (``t_async``: the next forward waits per module instead of ``step()``),
 ``overlap=False`` (``t_off``) and no optimizer (``t_none``). ``exposed_fraction_world{1,2}`` =
-``(t_on - t_none) / (t_off - t_none)``: the part of the optimizer's time that the overlap fails to hide (0 all
-hidden, 1 nothing hidden); ``async_exposed_fraction_world{1,2}`` the same for ``t_async``, and
-``async_over_default_iteration_world{1,2}`` = ``t_async / t_on`` (below 1: what the step barrier costs). World 1 has the NS lane
-on the spare core; at world 2 both cores run ranks, so the lanes compete with the training step. The
+``(t_default - t_none) / (t_off - t_none)``: the part of the optimizer's time the default fails to hide (0 all
+hidden, 1 nothing hidden); ``on_exposed_fraction`` and ``async_exposed_fraction`` the same for ``t_on`` and
+``t_async``; ``async_over_on_iteration_world{1,2}`` = ``t_async / t_on`` (below 1: what the step barrier costs).
+``exposed_fraction_acc4_world{1,2}``: the same with 4 micro-batches per step (the default, off and no optimizer
+each accumulating 4); ``exposed_fraction_{max_grad_norm,user_clip}_world1``: the default with clipping that bites
+every step (``max_grad_norm``, or torch's ``clip_grad_norm_`` before ``step()``) over the plain ``t_off``. World 1
+has a spare core for the lanes; at world 2 both cores run ranks, so the lanes compete with the training step. The
 variants run in interleaved rounds of a few iterations each; a round's time includes ``synchronize()`` at its
 end, so every launched wave is paid for.
 ``llama_exposed_fraction_world1``: the same at world 1 on a Llama-shaped stack (:class:`_LlamaStack`: d_model
 256, GQA with 4 query and 2 KV heads of 64, SwiGLU MLP 688; 6 layers, 42 matrices of 5 shapes), whose many
 small same-shape matrices show how waves batch (its NS calls per step are reported beside it).
-``sim_exposed_fraction_world{1,2}``: :func:`overlap_muon.apps.simulate.simulate` fed the per-phase figures measured
+``sim_exposed_fraction_world{1,2}``: overlap on as :func:`overlap_muon.apps.simulate.simulate` models it, fed the per-phase figures measured
 in the same rounds (per-layer forward / backward times, unbatched NS FLOP/s) and after them (all_to_all
 bandwidth and latency, elementwise bandwidth), reported as ``exposed_overlap_s / exposed_no_overlap_s`` (the
 same definition). Its ``ns_interference`` comes from how many cores two compute threads get just before the
@@ -38,6 +43,7 @@ from torch import Tensor, nn
 
 from overlap_muon.ns import zeropower
 from overlap_muon.optimizer import OverlapMuon
+from overlap_muon.overlap_choice import TRIAL
 from overlap_muon.scheduler import ns_flops
 
 from .common import (_HP, _CaseResult, _max_over_ranks, _median, _ms, _muon_2d, _Options, _ratio, _run_ranks,
@@ -45,8 +51,9 @@ from .common import (_HP, _CaseResult, _max_over_ranks, _median, _ms, _muon_2d, 
 
 #: The keys of the case's ``ratios`` in the JSON.
 RATIO_KEYS: tuple[str, ...] = tuple(
-    f"{p}exposed_fraction_world{w}" for w in (1, 2) for p in ("", "sim_", "async_")) + tuple(
-    f"async_over_default_iteration_world{w}" for w in (1, 2)) + (
+    f"{p}exposed_fraction{a}_world{w}" for w in (1, 2) for p, a in (("", ""), ("on_", ""), ("sim_", ""),
+                                                                      ("async_", ""), ("", "_acc4"))) + tuple(
+    f"async_over_on_iteration_world{w}" for w in (1, 2)) + (
     "exposed_fraction_max_grad_norm_world1", "exposed_fraction_user_clip_world1", "llama_exposed_fraction_world1")
 
 
@@ -95,6 +102,18 @@ def _link_figures(elems: int, wave_bytes: int, world: int, group: Any, repeats: 
 #: A clipping bound every gradient norm of the overlap case exceeds, so clipping bites on every step.
 _TINY_NORM = 1e-3
 
+#: The variants' OverlapMuon options (``None``: no optimizer). ``default`` sets nothing: ``auto_overlap`` keeps
+#: the faster mode after its trial, which the warm-up runs. ``on`` forces the overlap (what the simulator models).
+_VARIANTS: dict[str, dict[str, Any] | None] = {"none": None, "off": dict(overlap=False), "on": dict(overlap=True),
+                                               "default": {}, "async": dict(async_step=True)}
+#: World 1 (plain TP shards at world 2 cannot be clipped by the runtime): ``max_grad_norm`` biting every step, and
+#: torch's ``clip_grad_norm_`` biting between backward and ``step()``; the default otherwise.
+_CLIP_VARIANTS: dict[str, dict[str, Any] | None] = {"default_clip": dict(max_grad_norm=_TINY_NORM),
+                                                    "default_user_clip": {}}
+#: Four micro-batches (forward and backward each) per ``step()``.
+_ACC_VARIANTS: dict[str, dict[str, Any] | None] = {"none_acc4": None, "off_acc4": dict(overlap=False),
+                                                   "default_acc4": {}}
+
 
 def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds: int, chunk: int,
                   trace_path: str | None) -> dict[str, Any]:
@@ -104,33 +123,28 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
     group = dist.new_group(list(range(world))) if world > 1 else None
     x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(5))
     variants: dict[str, tuple[nn.Module, OverlapMuon | None]] = {}
-    # on_clip: max_grad_norm biting every step (world 1: plain TP shards cannot be clipped by the runtime);
-    # on_user_clip: torch's clip_grad_norm_ between backward and step(), biting: every wave re-runs in step().
-    # async: async_step=True (step() returns before the updates land; the next forward waits per module).
-    names = ("none", "off", "on", "async") + (("on_clip", "on_user_clip") if world == 1 else ())
+    names = list(_VARIANTS) + (list(_CLIP_VARIANTS) if world == 1 else []) + list(_ACC_VARIANTS)
     for name in names:
         net = _tp_stack(d, blocks, T, t, group)
-        opt = None
-        if name != "none":
-            opt = OverlapMuon(net, tp_group=group, overlap=(name != "off"), muon_filter=_muon_2d,
-                              max_grad_norm=_TINY_NORM if name == "on_clip" else None,
-                              async_step=name == "async", **_HP)
-        variants[name] = (net, opt)
+        kw = {**_VARIANTS, **_CLIP_VARIANTS, **_ACC_VARIANTS}[name]
+        variants[name] = (net, None if kw is None else OverlapMuon(net, tp_group=group, muon_filter=_muon_2d,
+                                                                   **kw, **_HP))
     fwd_bwd: dict[str, list[float]] = {"forward": [], "backward": []}
 
     def iteration(name: str, record: bool) -> None:
         net, opt = variants[name]
-        t0 = time.perf_counter()
-        with torch.profiler.record_function("## forward ##"):
-            loss = net(x).pow(2).mean()
-        t1 = time.perf_counter()
-        with torch.profiler.record_function("## backward ##"):
-            loss.backward()
-        t2 = time.perf_counter()
+        for _ in range(4 if name.endswith("_acc4") else 1):
+            t0 = time.perf_counter()
+            with torch.profiler.record_function("## forward ##"):
+                loss = net(x).pow(2).mean()
+            t1 = time.perf_counter()
+            with torch.profiler.record_function("## backward ##"):
+                loss.backward()
+            t2 = time.perf_counter()
         with torch.profiler.record_function("## optimizer ##"), warnings.catch_warnings():
-            if name in ("on_clip", "on_user_clip"):  # re-runs are what these variants measure: no warning
+            if name in _CLIP_VARIANTS:  # re-runs are what these variants measure: no warning
                 warnings.filterwarnings("ignore", message=r"OverlapMuon: \d+ of \d+ waves re-ran")
-            if name == "on_user_clip":
+            if name == "default_user_clip":
                 torch.nn.utils.clip_grad_norm_(net.parameters(), _TINY_NORM)
             if opt is not None:
                 opt.step()
@@ -141,12 +155,12 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
             fwd_bwd["forward"].append(t1 - t0)
             fwd_bwd["backward"].append(t2 - t1)
 
-    def run_chunk(name: str, record: bool) -> float:
-        """Seconds per iteration over ``chunk`` iterations, every launched wave applied at the end."""
+    def run_chunk(name: str, record: bool, n: int = chunk) -> float:
+        """Seconds per iteration over ``n`` iterations, every launched wave applied at the end."""
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(chunk):
+        for _ in range(n):
             iteration(name, record)
         opt = variants[name][1]
         if opt is not None:
@@ -156,10 +170,10 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
     shapes: dict[tuple[int, int], int] = {}
     for p in variants["none"][0].parameters():
         shapes[tuple(p.full_shape)] = shapes.get(tuple(p.full_shape), 0) + 1
-    names = list(variants) + ["ns"]
+    names = names + ["ns"]
     times: dict[str, list[float]] = {n: [] for n in names}
-    for n in names[:-1]:  # warm-up chunk
-        run_chunk(n, False)
+    for n in names[:-1]:  # warm-up; the default's auto_overlap trial ends inside it
+        run_chunk(n, False, 2 * TRIAL + 3 if n.startswith("default") else chunk)
     _ns_sample(shapes)
     for r in range(rounds):
         k = r % len(names)
@@ -175,6 +189,8 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
     out.update(_link_figures(elems, 2 * elems // blocks, world, group, repeats=3))
     if trace_path is not None and rank == 0:
         out["trace"] = _profile_overlap(iteration, variants["on"][1], trace_path)
+    out["default_chose_on"] = {n: o.stats.get("overlap_auto_chose_on") for n, (_, o) in variants.items()
+                               if n.startswith("default") and o is not None}
     for _, opt in variants.values():
         if opt is not None:
             opt.close()
@@ -331,38 +347,44 @@ def run(o: _Options) -> _CaseResult:
         speedup = _two_thread_speedup()
         res = _run_ranks(_overlap_rank, world, d, blocks, tokens, rounds, chunk, trace, timeout_s=o.timeout_s)
         med = {n: _median(_max_over_ranks([r["times"][n] for r in res])) for n in res[0]["times"]}
-        frac = _ratio(med["on"] - med["none"], med["off"] - med["none"])
-        async_frac = _ratio(med["async"] - med["none"], med["off"] - med["none"])
+
+        def exposed(v: str, none: str = "none", off: str = "off") -> float | None:
+            return _ratio(med[v] - med[none], med[off] - med[none])
+
+        frac, on_frac, async_frac = exposed("default"), exposed("on"), exposed("async")
+        ratios[f"on_exposed_fraction_world{world}"] = on_frac
         ratios[f"async_exposed_fraction_world{world}"] = async_frac
-        ratios[f"async_over_default_iteration_world{world}"] = _ratio(med["async"], med["on"])
-        clip_lines = []
-        for v, key in (("on_clip", "max_grad_norm"), ("on_user_clip", "user_clip")):
+        ratios[f"async_over_on_iteration_world{world}"] = _ratio(med["async"], med["on"])
+        ratios[f"exposed_fraction_acc4_world{world}"] = exposed("default_acc4", "none_acc4", "off_acc4")
+        kept = res[0]["default_chose_on"]
+        clip_lines = [f"         4 micro-batches per step: none {_ms(med['none_acc4'])}  off {_ms(med['off_acc4'])}  "
+                      f"default {_ms(med['default_acc4'])} (kept {_mode(kept['default_acc4'])}) -> exposed "
+                      f"fraction {_fmt(ratios[f'exposed_fraction_acc4_world{world}'])}"]
+        for v, key in (("default_clip", "max_grad_norm"), ("default_user_clip", "user_clip")):
             if v in med:
-                ratios[f"exposed_fraction_{key}_world{world}"] = _ratio(med[v] - med["none"], med["off"] - med["none"])
-                clip_lines.append(f"         {key} biting every step: {_ms(med[v]).strip()} -> exposed fraction "
-                                  f"{ratios[f'exposed_fraction_{key}_world{world}']:.3f}")
+                ratios[f"exposed_fraction_{key}_world{world}"] = exposed(v)
+                clip_lines.append(f"         {key} biting every step: default {_ms(med[v]).strip()} (kept "
+                                  f"{_mode(kept[v])}) -> exposed fraction "
+                                  f"{_fmt(ratios[f'exposed_fraction_{key}_world{world}'])}")
         sim = _simulate_exposed(d, blocks, world, res[0], speedup)
         sim_frac = sim["exposed_fraction"] if sim else None
         ratios[f"exposed_fraction_world{world}"] = frac
         ratios[f"sim_exposed_fraction_world{world}"] = sim_frac
-        entry = {"median_s": med, "two_thread_speedup": speedup,
+        entry = {"median_s": med, "two_thread_speedup": speedup, "default_chose_on": kept,
                  "measured": {k: v for k, v in res[0].items() if k not in ("times", "trace")},
                  "simulated": sim, "samples_s": {n: _max_over_ranks([r["times"][n] for r in res]) for n in med}}
-        lines.append(f"world {world}: none {_ms(med['none'])}  off {_ms(med['off'])}  on {_ms(med['on'])}  "
-                     f"async_step {_ms(med['async'])}  -> optimizer {_ms(med['off'] - med['none']).strip()}, "
-                     f"exposed with overlap {_ms(med['on'] - med['none']).strip()} (default step) / "
-                     f"{_ms(med['async'] - med['none']).strip()} (async_step)  (two threads got {speedup:.2f} cores)")
-        lines.append(f"         exposed fraction: default {'-' if frac is None else format(frac, '.3f')}, async_step "
-                     f"{'-' if async_frac is None else format(async_frac, '.3f')}; iteration async_step / default "
-                     f"{'-' if async_frac is None else format(med['async'] / med['on'], '.3f')}")
-        if sim_frac is not None and frac is not None:
-            lines.append(f"         exposed fraction measured {frac:.3f}, simulator {sim_frac:.3f} "
-                         f"(difference {sim_frac - frac:+.3f}; simulated optimizer "
+        lines.append(f"world {world}: none {_ms(med['none'])}  off {_ms(med['off'])}  on {_ms(med['on'])}  default "
+                     f"{_ms(med['default'])} (kept {_mode(kept['default'])})  async_step {_ms(med['async'])}  -> "
+                     f"optimizer {_ms(med['off'] - med['none']).strip()}  (two threads got {speedup:.2f} cores)")
+        lines.append(f"         exposed fraction: default {_fmt(frac)}, overlap on {_fmt(on_frac)}, async_step "
+                     f"{_fmt(async_frac)}; iteration async_step / on {_fmt(ratios[f'async_over_on_iteration_world{world}'])}")
+        if sim_frac is not None and on_frac is not None:
+            lines.append(f"         overlap on's exposed fraction measured {on_frac:.3f}, simulator {sim_frac:.3f} "
+                         f"(difference {sim_frac - on_frac:+.3f}; simulated optimizer "
                          f"{_ms(sim['exposed_no_overlap_s']).strip()} vs measured "
                          f"{_ms(med['off'] - med['none']).strip()})")
         else:
-            lines.append(f"         exposed fraction measured {frac if frac is None else round(frac, 3)}; "
-                         "simulator unavailable")
+            lines.append("         simulator unavailable")
         lines += clip_lines
         if res[0].get("trace"):
             entry["trace"] = res[0]["trace"]
@@ -393,6 +415,15 @@ def run(o: _Options) -> _CaseResult:
         f"{tokens} tokens",
         ratios, lines, det,
     )
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else format(x, ".3f")
+
+
+def _mode(chose_on: int | None) -> str:
+    """What ``auto_overlap`` kept (``stats["overlap_auto_chose_on"]``)."""
+    return "undecided" if chose_on is None else "on" if chose_on else "off"
 
 
 def _draw(trace: str, png: str) -> dict[str, Any] | None:

@@ -5,7 +5,9 @@ importable; CPU patches and details below). Same model (d_model 256, 4 heads, pe
 DTensor shards, same gradients, interleaved. (a) the optimizer step alone (``overlap=False``), world 2, TP
 (``ColwiseParallel``/``RowwiseParallel``) and FSDP2 (``fully_shard``) layouts:
 ``step_{tp,fsdp}_world2_overlap_muon_over_dist_muon``; (b) the whole training iteration (forward, backward, step)
-with OverlapMuon's overlap on, TP, world 1 and 2: ``iteration_world{1,2}_overlap_muon_over_dist_muon``. Each is our
+with OverlapMuon's defaults (``auto_overlap`` keeps the faster of overlap on and off after its trial, run in the
+warm-up; the overlap forced on and off are reported beside it), TP, world 1 and 2:
+``iteration_world{1,2}_overlap_muon_over_dist_muon``. Each is our
 median time over DistMuon's (one bucket); < 1 means OverlapMuon is faster. The case fails if any result is not
 ``torch.equal`` (to each other, and in (a) to ``torch.optim.Muon`` on the unsharded model).
 
@@ -52,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from overlap_muon.optimizer import OverlapMuon
+from overlap_muon.overlap_choice import TRIAL
 
 from .common import _HP, _CaseResult, _max_over_ranks, _median, _ms, _Options, _ratio, _run_ranks, _timed_steps
 
@@ -282,14 +285,18 @@ def _peers_step_rank(rank: int, world: int, layout: str, d: int, layers: int, he
 # (b) the whole training iteration
 # ----------------------------------------------------------------------------------------------------------------
 
+#: OverlapMuon in the iteration: the defaults (``auto_overlap`` keeps the faster mode after its trial, which the
+#: warm-up runs), the overlap forced on, and off.
+_ITERATION_VARIANTS: dict[str, dict[str, Any]] = {"overlap_muon": {}, "overlap_muon_on": dict(overlap=True),
+                                                  "overlap_muon_sync": dict(overlap=False)}
+
 
 def _peers_iteration_rank(rank: int, world: int, d: int, layers: int, heads: int, batch: int, seq: int,
                           rounds: int, chunk: int) -> dict[str, Any]:
     """Interleaved rounds of ``chunk`` training iterations (forward, backward, step, zero_grad) of the TP model
-    with OverlapMuon (``overlap=True``: waves launched from backward, the next forward waits per module) and with
-    DistMuon (one bucket; its step is synchronous); a round's time ends after ``synchronize()`` so every
-    launched wave is paid for. OverlapMuon with ``overlap=False`` runs beside them (what the overlap buys). Then
-    every model's params are compared with ``torch.equal`` to DistMuon's."""
+    with OverlapMuon (:data:`_ITERATION_VARIANTS`: the defaults, overlap forced on, off) and with DistMuon (one
+    bucket; its step is synchronous); a round's time ends after ``synchronize()`` so every launched wave is paid
+    for. Then every model's params are compared with ``torch.equal`` to DistMuon's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     flex, why = import_dist_muon()
@@ -297,20 +304,18 @@ def _peers_iteration_rank(rank: int, world: int, d: int, layers: int, heads: int
         raise RuntimeError(why)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     x = torch.randn(batch, seq, d, generator=torch.Generator().manual_seed(23))
-    names = ["overlap_muon", "overlap_muon_sync", "dist_muon"]
+    names = list(_ITERATION_VARIANTS) + ["dist_muon"]
     nets = {n: _shard(_full_net(d, layers, heads, 21), mesh, "tp") for n in names}
-    opts: dict[str, Any] = {
-        "overlap_muon": OverlapMuon(nets["overlap_muon"], device_mesh=mesh, overlap=True, **_HP),
-        "overlap_muon_sync": OverlapMuon(nets["overlap_muon_sync"], device_mesh=mesh, overlap=False, **_HP),
-        "dist_muon": _build_dist_muon(flex, nets["dist_muon"], "tp", "one"),
-    }
+    opts: dict[str, Any] = {n: OverlapMuon(nets[n], device_mesh=mesh, **kw, **_HP)
+                            for n, kw in _ITERATION_VARIANTS.items()}
+    opts["dist_muon"] = _build_dist_muon(flex, nets["dist_muon"], "tp", "one")
 
-    def run_chunk(name: str) -> float:
+    def run_chunk(name: str, n: int = chunk) -> float:
         net, opt = nets[name], opts[name]
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(chunk):
+        for _ in range(n):
             net(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
@@ -318,18 +323,20 @@ def _peers_iteration_rank(rank: int, world: int, d: int, layers: int, heads: int
             opt.synchronize()
         return (time.perf_counter() - t0) / chunk
 
-    for n in names:  # warm-up round
-        run_chunk(n)
+    for n in names:  # warm-up (as long for all: the params are compared); the default's trial ends inside it
+        run_chunk(n, 2 * TRIAL + 3)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         k = r % len(names)
         for n in names[k:] + names[:k]:
             times[n].append(run_chunk(n))
     fulls = {n: _fulls(net) for n, net in nets.items()}
-    out: dict[str, Any] = {"times": times, "iterations": chunk * (rounds + 1)}
+    out: dict[str, Any] = {"times": times, "iterations": chunk * rounds + 2 * TRIAL + 3,
+                           "kept_on": opts["overlap_muon"].stats.get("overlap_auto_chose_on")}
+    ours = list(_ITERATION_VARIANTS)
     if rank == 0:
-        out["unequal"] = sorted({x for n in names[:2] for x in _unequal(fulls[n], fulls["dist_muon"])})
-    for n in names[:2]:
+        out["unequal"] = sorted({x for n in ours for x in _unequal(fulls[n], fulls["dist_muon"])})
+    for n in ours:
         opts[n].close()
     return out
 
@@ -384,8 +391,7 @@ def run(o: _Options) -> _CaseResult:
     for world in (1, 2):
         res = _run_ranks(_peers_iteration_rank, world, d, it_layers, heads, batch, seq, rounds, chunk,
                          timeout_s=o.timeout_s)
-        samples = {v: _max_over_ranks([r["times"][v] for r in res])
-                   for v in ("overlap_muon", "overlap_muon_sync", "dist_muon")}
+        samples = {v: _max_over_ranks([r["times"][v] for r in res]) for v in res[0]["times"]}
         med = {v: _median(s) for v, s in samples.items()}
         unequal = res[0]["unequal"]
         key = f"iteration_world{world}_overlap_muon_over_dist_muon"
@@ -393,12 +399,14 @@ def run(o: _Options) -> _CaseResult:
         det[f"iteration_world{world}"] = {"layers": it_layers, "matrices": 6 * it_layers, "batch": batch,
                                           "seq": seq, "rounds": rounds, "iters_per_round": chunk,
                                           "iterations": res[0]["iterations"], "median_s": med, "samples_s": samples,
-                                          "unequal": unequal}
+                                          "unequal": unequal, "kept_on": res[0]["kept_on"]}
+        kept = {None: "undecided", 0: "off", 1: "on"}[res[0]["kept_on"]]
+        dm = med["dist_muon"]
         lines.append(f"(b) iteration (fwd+bwd+step), world {world}, TP, {6 * it_layers} matrices, {batch}x{seq} "
-                     f"tokens: overlap_muon (overlap on) {_ms(med['overlap_muon']).strip()}, overlap off "
-                     f"{_ms(med['overlap_muon_sync']).strip()}, dist_muon {_ms(med['dist_muon']).strip()}, ratio "
-                     f"{ratios[key]:.3f} (off: {med['overlap_muon_sync'] / med['dist_muon']:.3f}); params after "
-                     f"{res[0]['iterations']} iterations "
+                     f"tokens: overlap_muon (default, kept {kept}) {_ms(med['overlap_muon']).strip()}, overlap on "
+                     f"{_ms(med['overlap_muon_on']).strip()}, off {_ms(med['overlap_muon_sync']).strip()}, dist_muon "
+                     f"{_ms(dm).strip()}; ratio {ratios[key]:.3f} (on: {med['overlap_muon_on'] / dm:.3f}, off: "
+                     f"{med['overlap_muon_sync'] / dm:.3f}); params after {res[0]['iterations']} iterations "
                      + ("torch.equal" if not unequal else f"DIFFER: {unequal[:3]}"))
         if unequal:
             failures.append(f"iteration world {world}: {unequal[:3]}")

@@ -15,7 +15,8 @@ each accumulating 4); ``exposed_fraction_{max_grad_norm,user_clip}_world1``: the
 every step (``max_grad_norm``, or torch's ``clip_grad_norm_`` before ``step()``) over the plain ``t_off``. World 1
 has a spare core for the lanes; at world 2 both cores run ranks, so the lanes compete with the training step. The
 variants run in interleaved rounds of a few iterations each; a round's time includes ``synchronize()`` at its
-end, so every launched wave is paid for.
+end, so every launched wave is paid for. A ``--small`` run (a smoke run) skips the default's variants (their
+trial) and the accumulation and clipping ones: their ratios are ``None``.
 ``llama_exposed_fraction_world1``: the same at world 1 on a Llama-shaped stack (:class:`_LlamaStack`: d_model
 256, GQA with 4 query and 2 KV heads of 64, SwiGLU MLP 688; 6 layers, 42 matrices of 5 shapes), whose many
 small same-shape matrices show how waves batch (its NS calls per step are reported beside it).
@@ -116,7 +117,7 @@ _ACC_VARIANTS: dict[str, dict[str, Any] | None] = {"none_acc4": None, "off_acc4"
 
 
 def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, rounds: int, chunk: int,
-                  trace_path: str | None) -> dict[str, Any]:
+                  trace_path: str | None, small: bool = False) -> dict[str, Any]:
     """Interleaved rounds of ``chunk`` iterations per variant (none / off / on) plus one NS sample per round, so
     the per-phase figures the simulator gets see the same machine load as the step times."""
     T, t = world, rank
@@ -124,6 +125,8 @@ def _overlap_rank(rank: int, world: int, d: int, blocks: int, tokens: int, round
     x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(5))
     variants: dict[str, tuple[nn.Module, OverlapMuon | None]] = {}
     names = list(_VARIANTS) + (list(_CLIP_VARIANTS) if world == 1 else []) + list(_ACC_VARIANTS)
+    if small:  # a smoke run: no auto_overlap trial (the default's variants), the quick run's cost of before
+        names = [n for n in names if n in ("none", "off", "on", "async")]
     for name in names:
         net = _tp_stack(d, blocks, T, t, group)
         kw = {**_VARIANTS, **_CLIP_VARIANTS, **_ACC_VARIANTS}[name]
@@ -336,7 +339,7 @@ def _overlap_llama_rank(rank: int, world: int, layers: int, d: int, batch: int, 
 def run(o: _Options) -> _CaseResult:
     d = o.side(256)
     blocks, tokens = (2, 128 if o.small else 512) if o.quick else (6, 1024)
-    rounds, chunk = o.reps(3, 5), (1 if o.small else 2) if o.quick else 3
+    rounds, chunk = o.reps(5, 5), (1 if o.small else 2) if o.quick else 3
     ratios: dict[str, float | None] = {}
     lines, det = [], {"d_model": d, "blocks": blocks, "tokens": tokens, "rounds": rounds, "iters_per_chunk": chunk,
                       "matrices": 4 * blocks}
@@ -345,11 +348,12 @@ def run(o: _Options) -> _CaseResult:
         if not o.quick and world == 1:
             trace = os.path.abspath(os.path.join(o.trace_dir, "bench_overlap_w1_trace.json"))
         speedup = _two_thread_speedup()
-        res = _run_ranks(_overlap_rank, world, d, blocks, tokens, rounds, chunk, trace, timeout_s=o.timeout_s)
+        res = _run_ranks(_overlap_rank, world, d, blocks, tokens, rounds, chunk, trace, o.small,
+                         timeout_s=o.timeout_s)
         med = {n: _median(_max_over_ranks([r["times"][n] for r in res])) for n in res[0]["times"]}
 
         def exposed(v: str, none: str = "none", off: str = "off") -> float | None:
-            return _ratio(med[v] - med[none], med[off] - med[none])
+            return _ratio(med[v] - med[none], med[off] - med[none]) if v in med else None
 
         frac, on_frac, async_frac = exposed("default"), exposed("on"), exposed("async")
         ratios[f"on_exposed_fraction_world{world}"] = on_frac
@@ -357,9 +361,10 @@ def run(o: _Options) -> _CaseResult:
         ratios[f"async_over_on_iteration_world{world}"] = _ratio(med["async"], med["on"])
         ratios[f"exposed_fraction_acc4_world{world}"] = exposed("default_acc4", "none_acc4", "off_acc4")
         kept = res[0]["default_chose_on"]
-        clip_lines = [f"         4 micro-batches per step: none {_ms(med['none_acc4'])}  off {_ms(med['off_acc4'])}  "
-                      f"default {_ms(med['default_acc4'])} (kept {_mode(kept['default_acc4'])}) -> exposed "
-                      f"fraction {_fmt(ratios[f'exposed_fraction_acc4_world{world}'])}"]
+        clip_lines = [] if "default_acc4" not in med else [
+            f"         4 micro-batches per step: none {_ms(med['none_acc4'])}  off {_ms(med['off_acc4'])}  default "
+            f"{_ms(med['default_acc4'])} (kept {_mode(kept['default_acc4'])}) -> exposed fraction "
+            f"{_fmt(ratios[f'exposed_fraction_acc4_world{world}'])}"]
         for v, key in (("default_clip", "max_grad_norm"), ("default_user_clip", "user_clip")):
             if v in med:
                 ratios[f"exposed_fraction_{key}_world{world}"] = exposed(v)
@@ -373,8 +378,9 @@ def run(o: _Options) -> _CaseResult:
         entry = {"median_s": med, "two_thread_speedup": speedup, "default_chose_on": kept,
                  "measured": {k: v for k, v in res[0].items() if k not in ("times", "trace")},
                  "simulated": sim, "samples_s": {n: _max_over_ranks([r["times"][n] for r in res]) for n in med}}
-        lines.append(f"world {world}: none {_ms(med['none'])}  off {_ms(med['off'])}  on {_ms(med['on'])}  default "
-                     f"{_ms(med['default'])} (kept {_mode(kept['default'])})  async_step {_ms(med['async'])}  -> "
+        default = f"default {_ms(med['default'])} (kept {_mode(kept['default'])})  " if "default" in med else ""
+        lines.append(f"world {world}: none {_ms(med['none'])}  off {_ms(med['off'])}  on {_ms(med['on'])}  {default}"
+                     f"async_step {_ms(med['async'])}  -> "
                      f"optimizer {_ms(med['off'] - med['none']).strip()}  (two threads got {speedup:.2f} cores)")
         lines.append(f"         exposed fraction: default {_fmt(frac)}, overlap on {_fmt(on_frac)}, async_step "
                      f"{_fmt(async_frac)}; iteration async_step / on {_fmt(ratios[f'async_over_on_iteration_world{world}'])}")

@@ -360,9 +360,9 @@ def run(o: _Options) -> _CaseResult:
     import torchtitan
 
     d, heads = o.side(256), 4
-    step_layers, warmup, repeats = (2, 1, o.reps(5, 30)) if o.quick else (12, 2, o.reps(5, 30))
+    step_layers, warmup, repeats = (2, 1, o.reps(15, 30)) if o.quick else (12, 2, o.reps(15, 30))
     it_layers, batch, seq = (2, 2, 64 if o.small else 128) if o.quick else (4, 4, 256)
-    rounds, chunk = o.reps(3, 8), (1 if o.small else 2) if o.quick else 3
+    rounds, chunk = o.reps(5, 8), (1 if o.small else 2) if o.quick else 3
     ratios: dict[str, float | None] = {}
     lines: list[str] = []
     det: dict[str, Any] = {"torchtitan": getattr(torchtitan, "__version__", "?"), "d_model": d, "heads": heads}

@@ -41,8 +41,7 @@ from .scheduler.surplus import CPU_GLOO, SurplusCostModel
 from .scheduler.waves import Wave
 from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
 
-__all__ = ["Placement", "unwrap", "check_arguments", "place", "make_groups", "param_groups", "plan", "ns_costs",
-           "fsdp_roots"]
+__all__ = ["Placement", "unwrap", "check_arguments", "place", "make_groups", "param_groups", "plan", "ns_costs"]
 
 logger = logging.getLogger("overlap_muon")
 
@@ -50,12 +49,6 @@ try:
     from torch.distributed.tensor import DTensor
 except Exception:  # pragma: no cover
     DTensor = ()  # type: ignore[assignment]
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-except Exception:  # pragma: no cover
-    FSDPModule = ()  # type: ignore[assignment]
-
 
 @dataclass
 class Placement:
@@ -425,18 +418,3 @@ def _cost_model(name: str, cuda: bool) -> SurplusCostModel:
     """The surplus plan's machine figures for ``OverlapMuonConfig.cost_model``."""
     return SurplusCostModel() if name == "cuda" or (name == "auto" and cuda) else CPU_GLOO
 
-
-def fsdp_roots(model: nn.Module) -> list[nn.Module]:
-    """The FSDP2 modules of ``model`` with no FSDP2 ancestor (one of them becomes the root at the first forward;
-    ``set_post_optim_event`` is read from the root's state)."""
-    out: list[nn.Module] = []
-
-    def walk(mod: nn.Module) -> None:
-        if isinstance(mod, FSDPModule):
-            out.append(mod)
-            return
-        for child in mod.children():
-            walk(child)
-
-    walk(model)
-    return out

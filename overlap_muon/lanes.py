@@ -286,9 +286,8 @@ class Lanes:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def current_stream_event(self, timing: bool = False) -> Any:
-        """CUDA: an event recorded now on the current stream (the step barrier hands it to FSDP2's
-        ``set_post_optim_event``: recorded by ``step()`` after the current stream's waits on the applies, waited on
-        by FSDP2's all-gather streams at the next forward; ``timing``: one that ``elapsed_time`` can read)."""
+        """CUDA: an event recorded now on the current stream (``timing``: one that ``elapsed_time`` can read; the
+        clock of ``auto_overlap``'s trial)."""
         event = torch.cuda.Event(enable_timing=timing)
         event.record()
         return event

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -34,8 +33,6 @@ from .scheduler import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispa
 from .wave_state import Hyper, versions
 
 __all__ = ["Runtime", "StepPhase"]
-
-logger = logging.getLogger("overlap_muon")
 
 try:
     from torch.distributed.tensor import DTensor
@@ -110,7 +107,6 @@ class Runtime:
         self.handles: list[Any] = []
         self.tracker: GradReadyTracker | None = None
         self.waits: ForwardWaits | None = None
-        self.fsdp_roots: list[nn.Module] = []
         self.plan_waves(list(reversed(range(len(muon)))))
         self.stage_root = comm.stage_root
         check_plan_everywhere(muon, self.waves, [p.describe() for p in self.wave_plans], comm.stages)
@@ -170,7 +166,6 @@ class Runtime:
         mine = {id(m.param) for m in self.muon}
         self.handles += [mod.register_state_dict_pre_hook(sync_hook) for mod in model.modules()
                          if mod is model or any(id(p) in mine for p in mod.parameters(recurse=False))]
-        self.fsdp_roots = builder.fsdp_roots(model)
         self.fixed[0] = self.config.overlap  # the version fix is this optimizer's to give back (_remove_all)
         if self.config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
             dtensors = [m.param for m in self.muon if isinstance(m.param, DTensor)]
@@ -381,16 +376,15 @@ class Runtime:
     def barrier(self) -> None:
         """[Note: the step barrier] The default: ``step()`` orders its updates before anything after it, so every
         later reader (the next forward, ``model.unshard()``, a step post-hook, ``load_state_dict``, an averager
-        wrapping the optimizer, user code) sees the updated weights. CPU: the host waits for every apply. CUDA: no
-        host sync: the current stream waits on the apply events, and each FSDP2 root gets an event recorded after
-        that wait through ``FSDPModule.set_post_optim_event`` (FSDP2's public hook: its next all-gathers wait on
-        it instead of on the whole current stream). The backward overlap is kept: the waves were launched and
-        validated speculatively; what is given up is the overlap with the next forward (``async_step``)."""
+        wrapping the optimizer, a second optimizer, user code) sees the updated weights. CPU: the host waits for
+        every apply. CUDA: no host sync: the current stream waits on the apply events, and whatever the current
+        stream runs later follows them. FSDP2 needs nothing more: its root pre-forward makes the all-gather streams
+        wait on the current stream. (Its ``set_post_optim_event`` would replace that wait by one on an event
+        recorded here, so a write queued after ``step()``, by a second optimizer or an EMA, would no longer be
+        ordered before the next all-gather: torch 2.13, ``_fsdp_state.py``, ``_root_pre_forward``.) The backward
+        overlap is kept: the waves were launched and validated speculatively; what is given up is the overlap with
+        the next forward (``async_step``)."""
         self.pipeline.wait([w.index for w in self.waves])
-        if self.pipeline.lanes.cuda and self.fsdp_roots:
-            event = self.pipeline.lanes.current_stream_event()
-            for root in self.fsdp_roots:
-                root.set_post_optim_event(event)
 
     def _adopt_observed_order(self) -> None:
         """After the first step: broadcast the observed readiness order of the stage's first rank (rank 0 without

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  overlap {ov['layers']} layers d {ov['d_model']}: none {ov['step_s']['none'] * 1e3:.1f} ms, off "
           f"{ov['step_s']['off'] * 1e3:.1f} ms, on {ov['step_s']['on'] * 1e3:.1f} ms, async_step "
           f"{ov['step_s']['async'] * 1e3:.1f} ms -> exposed fraction {ov['exposed_fraction']} (default step, a "
-          f"stream wait + set_post_optim_event), {ov['async_exposed_fraction']} (async_step)")
+          f"stream wait), {ov['async_exposed_fraction']} (async_step)")
     sc = report["scale"]
     print(f"  scale: warm-up {sc['warm_up']}; two hops as 2 nodes of 1 {sc['node_exchange']}")
     print(f"  wrote {path}")

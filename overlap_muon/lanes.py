@@ -23,7 +23,9 @@ Backends:
   its dependencies' futures, so an exception in one lane reaches every later task and, at the next wait point,
   the main thread, with the original traceback chained.
 - CUDA: one stream per lane, created here, each with a comment on why it exists; a task is enqueued at once
-  from the calling thread on its stream after ``wait_event`` on its dependencies, and records an event. The
+  from the calling thread on its stream after ``wait_event`` on its dependencies, and records an event. Every
+  "current stream" is the one of the params' device, named: a process whose current device is another (params on
+  ``cuda:k`` without ``set_device(k)``) must not order the lanes against ``cuda:0``. The
   tensors a task touches are kept by the wave pipeline's ``WaveState`` next to that event until the event has
   completed (invariant 5: no ``record_stream``).
 - inline (``side_streams=False``): the task runs immediately on the calling thread (the ablation baseline).
@@ -92,10 +94,10 @@ class LaneHandle:
             later tasks, forward pre-hooks and ``synchronize()``).
     """
 
-    __slots__ = ("lane", "future", "event", "value")
+    __slots__ = ("lane", "future", "event", "value", "device")
 
-    def __init__(self, lane: str) -> None:
-        self.lane = lane
+    def __init__(self, lane: str, device: torch.device | None = None) -> None:
+        self.lane, self.device = lane, device  # CUDA: the lanes' device, whose current stream waits on the event
         self.future: cf.Future | None = None
         self.event: Any = None
         self.value: Any = None
@@ -129,7 +131,7 @@ class LaneHandle:
         """
         try:
             if self.event is not None:
-                torch.cuda.current_stream().wait_event(self.event)
+                torch.cuda.current_stream(self.device).wait_event(self.event)
                 for s in streams:
                     s.wait_event(self.event)
             else:
@@ -212,7 +214,7 @@ class Lanes:
         dependencies' events and on the current stream (the producer of the inputs); ``fn`` and its return
         value are kept by the caller (``WaveState``) until its event completes.
         """
-        h = LaneHandle(lane)
+        h = LaneHandle(lane, self.device)
         if name is not None:
             fn = _ranged(fn, name, self.nvtx)
 
@@ -224,7 +226,7 @@ class Lanes:
 
         if self.cuda:
             stream = self._streams[lane]
-            stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(torch.cuda.current_stream(self.device))
             for d in deps:
                 if d.event is not None:
                     stream.wait_event(d.event)
@@ -283,13 +285,16 @@ class Lanes:
     def capturing(self) -> bool:
         """The current CUDA stream is capturing a CUDA graph: nothing may be queued on the lanes now (and a graph's
         replay runs no Python hook). Off CUDA always False; no host sync."""
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.device.type != "cuda":
+            return False
+        with torch.cuda.device(self.device):
+            return torch.cuda.is_current_stream_capturing()
 
     def current_stream_event(self, timing: bool = False) -> Any:
         """CUDA: an event recorded now on the current stream (``timing``: one that ``elapsed_time`` can read; the
         clock of ``auto_overlap``'s trial)."""
         event = torch.cuda.Event(enable_timing=timing)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def shutdown(self, wait: bool = True) -> None:

@@ -1,8 +1,9 @@
-"""[Note: a waiting thread helps] (``overlap_muon/lanes.py``): on CPU the thread that waits for the lanes runs the
-compute lane's queued NS tasks from the back, once each, and nothing else.
+"""The lanes (``overlap_muon/lanes.py``) on CPU.
 
-Bug it answers: on a 2-core machine at world 1, ``step()`` sat idle in the barrier while one lane thread worked
-through a queue of NS tasks (overlap on was slower than off on a DTensor TP model: 104 vs 102 ms per iteration).
+[Note: a waiting thread helps]: the thread that waits for the lanes runs the compute lane's queued NS tasks from the
+back, once each, and nothing else. Bug it answers: on a 2-core machine at world 1, ``step()`` sat idle in the barrier
+while one lane thread worked through a queue of NS tasks (overlap on was slower than off on a DTensor TP model: 104
+vs 102 ms per iteration). And the CUDA lanes' streams named by device, driven with fakes.
 """
 
 from __future__ import annotations
@@ -154,3 +155,49 @@ def test_collective_ns_stays_on_its_lane():
 
     for seen, launched in run_ranks(_team_threads, 2, timeout=100):
         assert launched == 4 and len(seen) == 4 and all(t.startswith("overlap_muon_compute") for t in seen), seen
+
+
+def test_cuda_lanes_name_the_params_device(monkeypatch):
+    """Issue 46, finding 6: params on ``cuda:1`` in a process whose current device is ``cuda:0`` (no
+    ``set_device``): every current stream the lanes order against is ``cuda:1``'s. Driven on CPU with fake streams
+    and events that record the device they were asked for."""
+    import contextlib
+
+    asked: list[object] = []
+
+    class FakeStream:
+        def __init__(self, device):
+            self.device = device
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.stream = None
+
+        def record(self, stream=None):
+            self.stream = stream
+
+        def query(self):
+            return True
+
+    def current_stream(device=None):
+        asked.append(device)
+        return FakeStream(device)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    dev = torch.device("cuda", 1)
+    lanes = Lanes(torch.device("cpu"), side_streams=False)
+    lanes.cuda, lanes.inline, lanes.device = True, False, dev
+    lanes._streams = {name: FakeStream(dev) for name in ("to_home", "compute", "from_home")}
+    h = lanes.submit("compute", lambda: 7)
+    h.wait()
+    timed = lanes.current_stream_event(timing=True)
+    assert h.value == 7 and asked and all(d == dev for d in asked), asked
+    assert timed.stream is not None and timed.stream.device == dev

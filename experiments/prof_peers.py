@@ -77,17 +77,15 @@ def _rank(rank, world, layout, layers, steps, only):
     flex, _ = bp.import_dist_muon()
     axis = "tp" if layout == "tp" else "remat"
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
-    names = [only] if only else ["overlap_muon", "overlap_muon_ws2", "overlap_muon_ws3", "dist_muon"]
+    names = [only] if only else ["overlap_muon", "overlap_muon_unchecked", "overlap_muon_inline", "dist_muon"]
     opts = {}
     for name in names:
         net = bp._shard(bp._full_net(256, layers, 4, 21), mesh, layout)
         bp._set_grads(net, bp._full_grads(net, 22))
         if name.startswith("overlap_muon"):
-            kw = dict(check_grad_presence=(name != "overlap_muon_unchecked"))
+            kw = dict(check_grad_presence=(name == "overlap_muon"))
             if name.endswith("inline"):
                 kw["side_streams"] = False
-            if "_ws" in name:
-                kw["wave_slots"] = int(name[-1])
             opts[name] = OverlapMuon(net, device_mesh=mesh, overlap=False, **kw, **bp._HP)
         else:
             opts[name] = bp._build_dist_muon(flex, net, axis, "one")

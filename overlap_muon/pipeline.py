@@ -30,8 +30,10 @@ each task drops what the next one no longer needs (the full matrices after NS, t
 momenta after the scatter, the gradients and update blocks after the apply), and the state leaves
 the pipeline at the first wait or reap after its apply. On CUDA a tensor read on another stream than the one
 that allocated it must live until that stream is done with it (invariant 5, no ``record_stream``), so the state
-keeps all of them until its apply event has completed (``event.query()``, never a host sync) and is released
-then. Nothing is held into the next step.
+keeps all of them until the current stream has waited on its apply event (the step barrier, or ``async_step``'s
+forward wait for its module), and is released then, with no host sync (why that is enough: ``LateRelease`` in
+``wave_state.py``); a wave nothing waits on (discarded, or retired by a new plan) is released once its events have
+completed (``event.query()``). Nothing is held into the next step.
 """
 
 from __future__ import annotations
@@ -329,7 +331,7 @@ class WavePipeline:
                 continue
             with prof_range(f"OverlapMuon::wait::wave{k}", nvtx=self.config.nvtx):
                 st.h_apply.wait(streams)
-            if st.done():
+            if st.done() or self._release.at_wait(st):  # [Note: release on time]
                 with self._lock:
                     if self._applied.get(k) is st:
                         del self._applied[k]
@@ -350,6 +352,7 @@ class WavePipeline:
 
     def reap(self) -> None:
         """Release every state whose tasks have all finished; surface a failed task now. Never blocks."""
+        self._release.prune()
         with self._lock:
             finished = [k for k, st in self._applied.items() if st.done()]
             states = [self._applied.pop(k) for k in finished]
@@ -369,6 +372,7 @@ class WavePipeline:
             RuntimeError: a lane task failed; its original exception (and traceback) is chained.
         """
         self.lanes.help()
+        self._release.synchronize()  # applies released at a wait (CUDA)
         with self._lock:
             states, self._applied = list(self._applied.values()), {}
             orphans, self._orphans = self._orphans, []

@@ -348,13 +348,35 @@ class EarlyRelease:
     def after_apply(self, st: WaveState) -> None:
         st.release()
 
+    def at_wait(self, st: WaveState) -> bool:
+        """The caller's stream now waits on ``st``'s apply: whether ``st`` may be released now though its tasks
+        are not all done (CPU: the host waited, so they are; nothing to decide)."""
+        return False
+
+    def synchronize(self) -> None:
+        """Block the host until every apply released by :meth:`at_wait` has completed."""
+
+    def prune(self) -> None:
+        """Forget the applies released by :meth:`at_wait` that have completed. Never blocks."""
+
 
 class LateRelease(EarlyRelease):
     """CUDA: a tensor read on another stream than the one that allocated it lives until that stream is done with
-    it (no ``record_stream``): the wave keeps everything until its apply event has completed (released by the
-    pipeline's ``wait`` / ``reap`` then)."""
+    it (no ``record_stream``): the wave keeps everything until the current stream has waited on its apply event
+    (:meth:`at_wait`), or, for a wave nothing waited on (discarded, retired), until its events have completed
+    (the pipeline's ``reap``).
+
+    Why the wait is enough: the caching allocator hands a freed block only to a later allocation on the stream it
+    was allocated on. The wave's blocks come from the current stream (its gradients) and from the lanes' streams
+    (packs, gathered matrices, NS results, update blocks). After ``current.wait_event(apply)``, every later kernel
+    on the current stream follows the apply, which followed every use of the wave's tensors; and every later
+    allocation on a lane's stream is made by a lane task, which first makes that stream wait on the current one
+    (``Lanes.submit``). So whatever reuses a block runs after the wave is done with it, with no host sync."""
 
     eager = False
+
+    def __init__(self) -> None:
+        self._landing: list[LaneHandle] = []  # applies released at a wait, maybe still running on the device
 
     def after_ns(self, leg: Leg) -> None:
         return None
@@ -364,3 +386,17 @@ class LateRelease(EarlyRelease):
 
     def after_apply(self, st: WaveState) -> None:
         return None
+
+    def at_wait(self, st: WaveState) -> bool:
+        if st.h_apply is not None:
+            self._landing.append(st.h_apply)
+        return True
+
+    def synchronize(self) -> None:
+        landing, self._landing = self._landing, []
+        for h in landing:
+            if h.event is not None:
+                h.event.synchronize()
+
+    def prune(self) -> None:
+        self._landing = [h for h in self._landing if not h.done()]

@@ -109,3 +109,37 @@ def _body(rank, world, overlap):
 def test_wave_tensors_released_2x2(overlap):
     res = run_ranks(_body, 4, overlap, timeout=150)
     assert all(not b for b in res), res
+
+
+def test_cuda_release_policy_frees_a_wave_when_the_step_has_waited(monkeypatch):
+    """Issue 46, finding 2: under the CUDA release policy (``LateRelease``), driven on CPU with every task reported
+    unfinished (as on a GPU still running the applies when ``step()`` returns), a wave's tensors are released once
+    the step's barrier has made the current stream wait on its apply, not at the next ``step()``: after
+    ``step(); zero_grad()`` nothing of the step is alive. Before, the states waited for ``reap()`` at the next
+    ``step()``, through the next forward and backward."""
+    from overlap_muon.lanes import LaneHandle
+    from overlap_muon.wave_state import LateRelease
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OverlapMuon(model, adamw_kwargs=ADAMW_KW, overlap=True, auto_overlap=False, **HP)
+    opt._pipeline._release = LateRelease()
+    monkeypatch.setattr(LaneHandle, "done", lambda self: False)
+    bad = []
+    with _Spy() as spy:
+        for s in range(2):
+            spy.step = s
+            x = torch.randn(4, 12, generator=torch.Generator().manual_seed(s))
+            model(x).pow(2).mean().backward()
+            grads = [weakref.ref(p.grad) for p in opt.param_groups[0]["params"]]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            alive = spy.alive(s) + (["grads"] if any(r() is not None for r in grads) else [])
+            if alive or opt._pipeline._applied:
+                bad.append(f"step {s}: {alive} alive, {len(opt._pipeline._applied)} states held after step, zero_grad")
+    assert spy.refs, "the spy saw no tensors"
+    assert not bad, bad
+    assert len(opt._pipeline._release._landing) == 2 * len(opt.waves)  # kept for synchronize(), tensors gone
+    opt.synchronize()
+    assert not opt._pipeline._release._landing
+    opt.close()

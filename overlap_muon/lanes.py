@@ -21,7 +21,9 @@ Backends:
 
 - CPU (gloo): one worker thread per lane, ``concurrent.futures`` futures as the handles. A task first waits on
   its dependencies' futures, so an exception in one lane reaches every later task and, at the next wait point,
-  the main thread, with the original traceback chained.
+  the main thread, with the original traceback chained. CUDA keeps a task's error in its handle the same way (a
+  dependent task is not run and carries it), so an error found while backward launches a wave (an out-of-memory
+  in a pack) is raised at the next wait, not inside the grad hook.
 - CUDA: one stream per lane, created here, each with a comment on why it exists; a task is enqueued at once
   from the calling thread on its stream after ``wait_event`` on its dependencies, and records an event. Every
   "current stream" is the one of the params' device, named: a process whose current device is another (params on
@@ -92,20 +94,25 @@ class LaneHandle:
         future: CPU/inline: a ``concurrent.futures.Future`` holding the task's return value.
         event: CUDA: recorded on the lane's stream after the task's kernels (recorded by the lane, waited on by
             later tasks, forward pre-hooks and ``synchronize()``).
+        error: CUDA: what the task raised when it was enqueued (or its failed dependency's), kept for the next wait,
+            as a CPU task's future keeps it: not raised inside the grad hook that launched the wave.
     """
 
-    __slots__ = ("lane", "future", "event", "value", "device")
+    __slots__ = ("lane", "future", "event", "value", "device", "error")
 
     def __init__(self, lane: str, device: torch.device | None = None) -> None:
         self.lane, self.device = lane, device  # CUDA: the lanes' device, whose current stream waits on the event
         self.future: cf.Future | None = None
         self.event: Any = None
         self.value: Any = None
+        self.error: BaseException | None = None
 
     def result(self) -> Any:
         """Block the calling thread until the task is done (host side) and return its value; re-raise its error."""
         if self.future is not None:
             return self.future.result()
+        if self.error is not None:
+            raise self.error
         return self.value
 
     def settle(self) -> None:
@@ -130,6 +137,8 @@ class LaneHandle:
             RuntimeError: the task failed; its exception is chained.
         """
         try:
+            if self.error is not None:
+                raise self.error
             if self.event is not None:
                 torch.cuda.current_stream(self.device).wait_event(self.event)
                 for s in streams:
@@ -225,16 +234,24 @@ class Lanes:
                 return fn()
 
         if self.cuda:
+            failed = next((d.error for d in deps if d.error is not None), None)
+            if failed is not None:  # as a CPU task whose dependency failed: not run, the same error
+                h.error = failed
+                return h
             stream = self._streams[lane]
             stream.wait_stream(torch.cuda.current_stream(self.device))
             for d in deps:
                 if d.event is not None:
                     stream.wait_event(d.event)
-            with torch.cuda.stream(stream):
-                with torch.no_grad():
-                    out = fn()
-                h.event = torch.cuda.Event()
-                h.event.record(stream)
+            try:
+                with torch.cuda.stream(stream):
+                    with torch.no_grad():
+                        out = fn()
+                    h.event = torch.cuda.Event()
+                    h.event.record(stream)
+            except Exception as e:  # noqa: BLE001 - kept for the next wait, as a CPU future keeps it
+                h.error = e
+                return h
             h.value = out
             # The tensors the task touched are kept alive by the caller (the wave pipeline's WaveState) until
             # this event has completed: the caching allocator must not hand their memory to another stream early.

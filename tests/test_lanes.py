@@ -157,10 +157,9 @@ def test_collective_ns_stays_on_its_lane():
         assert launched == 4 and len(seen) == 4 and all(t.startswith("overlap_muon_compute") for t in seen), seen
 
 
-def test_cuda_lanes_name_the_params_device(monkeypatch):
-    """Issue 46, finding 6: params on ``cuda:1`` in a process whose current device is ``cuda:0`` (no
-    ``set_device``): every current stream the lanes order against is ``cuda:1``'s. Driven on CPU with fake streams
-    and events that record the device they were asked for."""
+def _fake_cuda_lanes(monkeypatch, dev):
+    """CUDA lanes on ``dev`` driven on CPU: fake streams and events that record the device they were asked for;
+    returns ``(lanes, asked)``."""
     import contextlib
 
     asked: list[object] = []
@@ -192,12 +191,38 @@ def test_cuda_lanes_name_the_params_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    dev = torch.device("cuda", 1)
     lanes = Lanes(torch.device("cpu"), side_streams=False)
     lanes.cuda, lanes.inline, lanes.device = True, False, dev
     lanes._streams = {name: FakeStream(dev) for name in ("to_home", "compute", "from_home")}
+    return lanes, asked
+
+
+def test_cuda_lanes_name_the_params_device(monkeypatch):
+    """Issue 46, finding 6: params on ``cuda:1`` in a process whose current device is ``cuda:0`` (no
+    ``set_device``): every current stream the lanes order against is ``cuda:1``'s."""
+    dev = torch.device("cuda", 1)
+    lanes, asked = _fake_cuda_lanes(monkeypatch, dev)
     h = lanes.submit("compute", lambda: 7)
     h.wait()
     timed = lanes.current_stream_event(timing=True)
     assert h.value == 7 and asked and all(d == dev for d in asked), asked
     assert timed.stream is not None and timed.stream.device == dev
+
+
+def test_cuda_lane_error_waits_for_the_next_wait(monkeypatch):
+    """Issue 46, finding 6: a CUDA task that raises while it is enqueued (from a grad hook, mid-backward) does not
+    raise there; its handle keeps the error for the next wait, as a CPU future does, and a task depending on it is
+    not run and carries the same error."""
+    lanes, _ = _fake_cuda_lanes(monkeypatch, torch.device("cuda", 0))
+    ran = []
+
+    def oom():
+        raise torch.OutOfMemoryError("planted")
+
+    bad = lanes.submit("to_home", oom)  # returns: the hook that launched it goes on
+    after = lanes.submit("compute", lambda: ran.append(1), deps=[bad])
+    assert bad.done() and after.done() and not ran
+    for h in (bad, after):
+        with pytest.raises(RuntimeError, match="lane task failed") as e:
+            h.wait()
+        assert isinstance(e.value.__cause__, torch.OutOfMemoryError)

@@ -101,6 +101,10 @@ class ForwardWaits:
         prefetch from ``module``'s pre-forward (``set_modules_to_forward_prefetch``), since that all-gather reads
         their shards before their own pre-hooks run. FSDP2's all-gather streams wait too ([Note: FSDP2 streams]
         in ``hooks/forward_wait.py``). A compiled module waits for its whole subtree."""
+        self._pipeline.lanes.refuse_capture(
+            "with async_step=True a forward captured in a CUDA graph cannot wait for the last step's updates (the "
+            "capture may not wait on events recorded outside it, and a replay runs no hook); use the default step "
+            "(async_step=False), whose step() orders its updates before whatever the stream runs next, replays too")
         mods = [module]
         if isinstance(module, FSDPModule):
             for other in getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", ()):

@@ -307,6 +307,13 @@ class Lanes:
         with torch.cuda.device(self.device):
             return torch.cuda.is_current_stream_capturing()
 
+    def refuse_capture(self, what: str) -> None:
+        """Raise a ``RuntimeError`` saying ``what`` (why it cannot run captured, and the fix) when the current
+        stream is capturing a CUDA graph ([Note: CUDA graph capture] in ``runtime.py``): an event query or a wait on
+        an event recorded outside the capture would invalidate it, and a replay would run none of it."""
+        if self.capturing():
+            raise RuntimeError(f"OverlapMuon: {what}")
+
     def current_stream_event(self, timing: bool = False) -> Any:
         """CUDA: an event recorded now on the current stream (``timing``: one that ``elapsed_time`` can read; the
         clock of ``auto_overlap``'s trial)."""

@@ -246,7 +246,8 @@ class Runtime:
         """[Note: CUDA graph capture] A backward captured in a CUDA graph (torchtitan's default: its
         ``training.disable_cuda_graphs=False``) runs the hooks during capture only, and nothing may be queued on
         the lanes then; on replay no hook runs. So such a backward launches nothing and ``step()`` launches every
-        wave (exact, no overlap)."""
+        wave (exact, no overlap). ``step()`` itself inside a capture, and ``async_step``'s forward waits inside one,
+        raise a clear error (``Lanes.refuse_capture``): their event queries and waits cannot be captured."""
         if not self._warned_capture:
             self._warned_capture = True
             warn_user("OverlapMuon: backward runs inside a CUDA graph capture, whose replays run no hook, so the "
@@ -297,7 +298,14 @@ class Runtime:
 
     def commit_step(self, max_grad_norm: float | None, clip_params: list[Tensor]) -> tuple[bool, Tensor | None, int]:
         """``step()`` up to its applies: :meth:`prepare`, :meth:`launch_rest`, :meth:`commit` (in
-        :attr:`StepPhase.STEP`; :meth:`end_step` leaves it). Returns ``(applies, norm before clipping, reruns)``."""
+        :attr:`StepPhase.STEP`; :meth:`end_step` leaves it). Returns ``(applies, norm before clipping, reruns)``.
+
+        Raises:
+            RuntimeError: called inside a CUDA graph capture (before anything changes)."""
+        self.pipeline.lanes.refuse_capture(
+            "step() was called inside a CUDA graph capture, which its waves cannot run in (they wait on events and "
+            "issue collectives a replay would not redo); nothing was changed. Capture the forward and backward only "
+            "and call step() outside the graph")
         self.phase = StepPhase.STEP
         stats = self.pipeline.stats
         stats["edit_held_steps"] += self.edits.hold

@@ -296,13 +296,16 @@ def _captured(rank, world):
     fulls, mu = _reference_plain(3)
     net = PlainShardNet(1, 1, 0, 0)
     opt = plain_opt(net, 1, 1, 0, 0, overlap=True)
-    opt._rt.pipeline.lanes.capturing = lambda: True  # [Note: CUDA graph capture] in overlap_muon/runtime.py
+    capturing = [True]
+    opt._rt.pipeline.lanes.capturing = lambda: capturing[0]  # [Note: CUDA graph capture] in overlap_muon/runtime.py
     bad = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for s in range(3):
             cs, _ = net.local_grads(s)
+            capturing[0] = True  # the forward and backward are captured, step() runs outside the graph
             net(cs).backward()
+            capturing[0] = False
             if opt.stats["waves_launched"] != s * len(opt.waves):
                 bad.append(f"step {s}: a wave launched during a captured backward")
             opt.step()
@@ -660,3 +663,47 @@ def test_cost_planned_waves_batch_and_stay_exact():
         batched.close()
     assert results["cost"] < results["count"], results
     assert results["cost", "calls"] < results["count", "calls"], results
+
+
+def test_step_inside_a_capture_is_refused_and_changes_nothing():
+    """Issue 46, finding 4: ``step()`` inside a CUDA graph capture (probe patched) raises a clear error before
+    anything changes (no event query, no collective, no state): params, state and gradients stay as they were,
+    and the same step outside the capture then gives torch's result."""
+    torch.manual_seed(0)
+    model, ref = Deep(), Deep()
+    ref.load_state_dict(model.state_dict())
+    opt = OverlapMuon(model, overlap=True, auto_overlap=False, **HP)
+    mu = torch.optim.Muon(ref.parameters(), **HP)
+    capturing = [False]
+    opt._rt.pipeline.lanes.capturing = lambda: capturing[0]
+    x = torch.randn(8, 16)
+    for m in (model, ref):
+        m(x).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    capturing[0] = True
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        opt.step()
+    capturing[0] = False
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and not opt.state
+    opt.step()
+    mu.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    opt.close()
+
+
+def test_async_step_forward_inside_a_capture_is_refused():
+    """Issue 46, finding 4: with ``async_step``, a forward captured in a CUDA graph (probe patched) cannot wait for
+    the step's updates: its first forward pre-hook raises a clear error naming the default step as the fix."""
+    torch.manual_seed(0)
+    model = Deep()
+    opt = OverlapMuon(model, overlap=True, async_step=True, **HP)
+    x = torch.randn(8, 16)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    opt._rt.pipeline.lanes.capturing = lambda: True
+    with pytest.raises(RuntimeError, match="async_step=False"):
+        model(x)
+    opt._rt.pipeline.lanes.capturing = lambda: False
+    opt.synchronize()
+    opt.close()

@@ -234,27 +234,7 @@ class Lanes:
                 return fn()
 
         if self.cuda:
-            failed = next((d.error for d in deps if d.error is not None), None)
-            if failed is not None:  # as a CPU task whose dependency failed: not run, the same error
-                h.error = failed
-                return h
-            stream = self._streams[lane]
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            for d in deps:
-                if d.event is not None:
-                    stream.wait_event(d.event)
-            try:
-                with torch.cuda.stream(stream):
-                    with torch.no_grad():
-                        out = fn()
-                    h.event = torch.cuda.Event()
-                    h.event.record(stream)
-            except Exception as e:  # noqa: BLE001 - kept for the next wait, as a CPU future keeps it
-                h.error = e
-                return h
-            h.value = out
-            # The tensors the task touched are kept alive by the caller (the wave pipeline's WaveState) until
-            # this event has completed: the caching allocator must not hand their memory to another stream early.
+            self._enqueue(h, self._streams[lane], fn, deps)
             return h
         if self.inline:
             f: cf.Future = cf.Future()
@@ -269,6 +249,28 @@ class Lanes:
         else:
             h.future = self._executors[lane].submit(run)
         return h
+
+    def _enqueue(self, h: LaneHandle, stream: Any, fn: Callable[[], Any], deps: Sequence[LaneHandle]) -> None:
+        """CUDA: enqueue ``fn`` on ``stream`` now, after ``deps`` and the current stream; record ``h``'s event. An
+        error (``fn``'s, or a dependency's: ``fn`` is then not run) stays in ``h`` for the next wait."""
+        failed = next((d.error for d in deps if d.error is not None), None)
+        if failed is not None:  # as a CPU task whose dependency failed: not run, the same error
+            h.error = failed
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for d in deps:
+            if d.event is not None:
+                stream.wait_event(d.event)
+        try:
+            with torch.cuda.stream(stream):
+                with torch.no_grad():
+                    h.value = fn()
+                h.event = torch.cuda.Event()
+                h.event.record(stream)
+        except Exception as e:  # noqa: BLE001 - kept for the next wait, as a CPU future keeps it
+            h.error = e
+        # The tensors the task touched are kept alive by the caller (the wave pipeline's WaveState) until the
+        # current stream has waited on the apply that follows them ([Note: release on time] in pipeline.py).
 
     def _share(self, run: Callable[[], Any]) -> Callable[[], Any]:
         """Queue ``run`` as a :class:`_Shared` task; return what the lane's worker runs for it."""

@@ -220,8 +220,9 @@ class Lanes:
         CPU: ``fn`` runs on the lane's thread under ``torch.no_grad()`` (grad mode is thread-local) after every
         dependency's future has resolved (a failed dependency fails this task with the same error).
         CUDA: ``fn`` runs now on the calling thread inside the lane's stream, which first waits on the
-        dependencies' events and on the current stream (the producer of the inputs); ``fn`` and its return
-        value are kept by the caller (``WaveState``) until its event completes.
+        dependencies' events and on the current stream (the producer of the inputs); the tensors it touches are
+        kept by the caller (``WaveState``) until the current stream has waited on the wave's apply ([Note: release
+        on time] in ``pipeline.py``); an error it raises stays in the handle for the next wait.
         """
         h = LaneHandle(lane, self.device)
         if name is not None:

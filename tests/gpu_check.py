@@ -1,15 +1,27 @@
-"""The GPU check in one prepared run: the CUDA tests, NS vs ``torch.bmm`` throughput, the exposed optimizer
-fraction of a model big enough for NS to matter, and the scale checks one GPU can run, written to one JSON file and
-printed as a table.
+"""The GPU check in one prepared run, reporting whatever happens: each section writes the JSON when it ends
+(``traces/gpu_check/gpu_check.json``) and prints one progress line, so a run cut by the shell's timeout leaves what it
+measured. Sections, in order, with their budgets (``tests/gpu_check.sh`` holds the whole run to 9 minutes):
 
-The scale checks (``scale_checks``): one GPU cannot show nodes. On two gloo ranks sharing the GPU it checks the
-warm-up over NCCL (rank 0's own groups, each a size-1 NCCL communicator that the warm-up connects: the collectives
-run and complete on the device), and the two-hop exchange's code on device tensors (as 2 nodes of 1: bitwise the
-fused exchange, one peer each). The hops across real nodes, and NCCL between ranks, need a multi-GPU machine.
+==================  ======  ===========================================================================================
+section             budget  what
+==================  ======  ===========================================================================================
+``versions``        1 s     torch, CUDA, NCCL, driver, the GPUs
+``cuda_tests``      200 s   ``tests/test_cuda.py`` (world-1 limitations are skips with their reason, not failures)
+``sanitizer``       120 s   its side-stream tests again under ``TORCH_CUDA_SANITIZER=1`` (stream races of tensors)
+``races``           30 s    random delays on every lane task and poisoned allocations after each step, bitwise
+                            against ``overlap=False``
+``memory``          20 s    memory after ``step(); zero_grad()`` and the peak over steps 2-4, overlap on vs off
+``sync_debug``      20 s    steps 2-4 of the default and ``async_step`` loops under ``set_sync_debug_mode("error")``
+``ns``              20 s    NS vs ``torch.bmm`` throughput
+``overlap``         60 s    the exposed optimizer fraction of a 12-layer d2048 model, with a timeline picture
+``scale``           60 s    two gloo ranks on the GPU under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: the warm-up over NCCL
+                            and the two-hop exchange on device tensors (one GPU cannot show nodes or NCCL between
+                            ranks: ``tests/gpu_check_multi.sh`` is for the first multi-GPU machine)
+==================  ======  ===========================================================================================
 
-Usage (on a machine with a CUDA GPU): ``bash tests/gpu_check.sh`` (under 5 minutes on one H100/H200-class GPU).
-``python tests/gpu_check.py --device cpu --small`` runs the same code paths on tiny shapes (the CPU suite does, so the
-script is known to run before a GPU is at hand).
+Without a GPU it prints "no GPU", writes the JSON with ``"no_gpu": true`` and exits 0. ``python tests/gpu_check.py
+--device cpu --small`` runs the same code paths on tiny shapes (the CPU suite does, so the script is known to run
+before a GPU is at hand).
 """
 
 from __future__ import annotations
@@ -47,13 +59,16 @@ def _timed(fn, device: torch.device, reps: int) -> float:
     return sorted(out)[len(out) // 2]
 
 
-def cuda_tests(out_dir: str, timeout_s: int) -> dict:
-    """Run ``tests/test_cuda.py``; return the outcome of each test (passed / failed / skipped)."""
-    xml = os.path.join(out_dir, "cuda_tests.xml")
+def cuda_tests(out_dir: str, timeout_s: int, env: dict | None = None, select: str | None = None,
+               name: str = "cuda_tests") -> dict:
+    """Run ``tests/test_cuda.py`` (``select``: a ``-k`` expression; ``env``: extra environment); return the outcome
+    of each test (passed / failed / skipped, with the skip reasons in ``tail``)."""
+    xml = os.path.join(out_dir, f"{name}.xml")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}",
-           os.path.join(ROOT, "tests", "test_cuda.py")]
+           os.path.join(ROOT, "tests", "test_cuda.py")] + (["-k", select] if select else [])
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, **(env or {})})
         tail = (proc.stdout + proc.stderr)[-3000:]
     except subprocess.TimeoutExpired as e:
         return {"error": f"timed out after {timeout_s} s", "tail": str(e.stdout)[-3000:]}
@@ -193,44 +208,50 @@ def scale_checks(device: torch.device) -> dict:
     return {"warm_up": ranks[0]["warm_up"], "node_exchange": [r["node_exchange"] for r in ranks]}
 
 
+def versions(device: torch.device) -> dict:
+    """torch, CUDA, NCCL and driver versions and the GPUs (``None`` where not known)."""
+    out: dict = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    if device.type == "cuda":
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as e:  # noqa: BLE001 - a version is a label, not a check
+            out["nccl"] = f"unknown ({type(e).__name__})"
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            out["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 else None
+        except Exception:  # noqa: BLE001 - no nvidia-smi
+            out["driver"] = None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    from tests.gpu_sections import SECTIONS, Report
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run of the code paths)")
     ap.add_argument("--out", default=os.path.join(ROOT, "traces", "gpu_check"))
-    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-tests", action="store_true", help="skip the sections that run pytest")
     a = ap.parse_args(argv)
-    device = torch.device(a.device)
     os.makedirs(a.out, exist_ok=True)
-    report: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    if not a.skip_tests:
-        report["cuda_tests"] = cuda_tests(a.out, timeout_s=200)
-    shapes = [(64, 64), (128, 64)] if a.small else [(1024, 1024), (4096, 1024), (4096, 4096)]
-    report["ns"] = ns_vs_bmm(device, shapes, reps=2 if a.small else 10)
-    layers, d, tokens, iters = (2, 64, 64, 1) if a.small else (12, 2048, 4096, 3)
-    report["overlap"] = exposed_fraction(device, layers, d, tokens, iters, a.out)
-    report["scale"] = scale_checks(device)
-    path = os.path.join(a.out, "gpu_check.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    print(f"device {report['device']}  torch {report['torch']}  {report['date']}")
-    for name, kind in report.get("cuda_tests", {}).get("tests", {}).items():
-        print(f"  test {name:<55} {kind}")
-    for r in report["ns"]:
-        print(f"  NS {r['shape'][0]}x{r['shape'][1]:<6} {r['ns_tflops']:8.1f} TFLOP/s  bmm {r['bmm_tflops']:8.1f}  "
-              f"ratio {r['ns_over_bmm']:.3f}")
-    ov = report["overlap"]
-    print(f"  overlap {ov['layers']} layers d {ov['d_model']}: none {ov['step_s']['none'] * 1e3:.1f} ms, off "
-          f"{ov['step_s']['off'] * 1e3:.1f} ms, on {ov['step_s']['on'] * 1e3:.1f} ms, async_step "
-          f"{ov['step_s']['async'] * 1e3:.1f} ms -> exposed fraction {ov['exposed_fraction']} (default step, a "
-          f"stream wait), {ov['async_exposed_fraction']} (async_step)")
-    sc = report["scale"]
-    print(f"  scale: warm-up {sc['warm_up']}; two hops as 2 nodes of 1 {sc['node_exchange']}")
-    print(f"  wrote {path}")
-    tests = report.get("cuda_tests", {})
-    scale_ok = "error" not in sc and all(r["bitwise"] for r in sc["node_exchange"])
-    return 0 if scale_ok and (a.skip_tests or tests.get("returncode") == 0) else 1
+    report = Report(os.path.join(a.out, "gpu_check.json"))
+    if a.device == "cuda" and not torch.cuda.is_available():
+        report.set("no_gpu", True)
+        report.set("versions", versions(torch.device("cpu")))
+        print(f"no GPU: nothing to check (wrote {report.path})")
+        return 0
+    device = torch.device(a.device)
+    report.set("device", torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    report.set("date", time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    report.section("versions", lambda: versions(device))
+    for name, run in SECTIONS:
+        if a.skip_tests and name in ("cuda_tests", "sanitizer"):
+            continue
+        report.section(name, lambda run=run: run(device, a.small, a.out))
+    print(f"wrote {report.path}; failed sections: {report.failed or 'none'}")
+    return 1 if report.failed else 0
 
 
 if __name__ == "__main__":

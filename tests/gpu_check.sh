@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# GPU checks in one prepared run (< 5 minutes on one GPU): the CUDA-only tests, NS vs torch.bmm in bf16, the
-# exposed optimizer fraction of a 12-layer d2048 model with a timeline picture, and the scale checks (warm-up over
-# NCCL, the two-hop exchange on device tensors); one JSON file and a table.
-# Usage on a machine with a CUDA GPU and the project installed: bash tests/gpu_check.sh
+# GPU checks in one prepared run, reporting whatever happens (tests/gpu_check.py lists the sections and their
+# budgets): the JSON is rewritten after every section and each section prints a progress line, so a run cut by the
+# timeout below leaves what it measured. Without a GPU it prints "no GPU", writes the JSON and exits 0.
+# Usage on a machine with a CUDA GPU and the project installed: bash tests/gpu_check.sh  (at most 9 minutes)
+# GPU_CHECK_OUT=DIR writes the JSON (gpu_check.json) and traces there instead of traces/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-timeout 290 python tests/gpu_check.py --device cuda --out traces/gpu_check
+out="${GPU_CHECK_OUT:-traces/gpu_check}"
+timeout 540 python tests/gpu_check.py --device cuda --out "$out"
+rc=$?
+if [ "$rc" -eq 124 ]; then echo "gpu_check: cut by the 540 s timeout; $out/gpu_check.json holds the sections that ended"; fi
+exit "$rc"

@@ -167,7 +167,9 @@ def _fsdp_model(d: int = 512):
 
 def _fsdp_no_sync(rank, world):
     model, mesh = _fsdp_model()
-    opt = OverlapMuon(model, device_mesh=mesh, **HP)
+    # content_check=False: the check reads one flag per step on the host by design ([Note: content fingerprints]
+    # in overlap_muon/wave_state.py); the rest of backward and step() must not sync.
+    opt = OverlapMuon(model, device_mesh=mesh, content_check=False, **HP)
     x = torch.randn(32, 512, device="cuda")
     model(x).sum().backward()  # warm-up: FSDP2 lazy init, allocator, cuBLAS handles
     opt.step()
@@ -187,7 +189,8 @@ def _fsdp_no_sync(rank, world):
 
 
 def test_fsdp2_overlap_step_has_no_host_sync():
-    """Backward (grad hooks, wave launches, the presence agreement) and step() never wait for the device."""
+    """Backward (grad hooks, wave launches, the presence agreement) and step() never wait for the device (but for
+    the content check's one flag a step, off here: ``tests/gpu_sections.py``'s ``sync_debug`` counts it)."""
     assert all(run_ranks(_fsdp_no_sync, 1, timeout=180, backend="nccl"))
 
 
@@ -215,10 +218,16 @@ def _fsdp_race(rank, world, patch_streams):
 
 
 def test_fsdp2_all_gather_waits_for_the_update():
-    """``async_step``: a slow apply (``torch.cuda._sleep`` on its lane) must still land before FSDP2 all-gathers the shard: the
-    forward after an overlapped step equals the synchronous one. Without the fix (FSDP2's streams not waited on),
-    the same check fails: the all-gather copies the shard before the update."""
+    """``async_step``: a slow apply (``torch.cuda._sleep`` on its lane) must still land before FSDP2 all-gathers the
+    shard: the forward after an overlapped step equals the synchronous one."""
     assert all(run_ranks(_fsdp_race, 1, False, timeout=180, backend="nccl"))
+
+
+@pytest.mark.skip(reason="world-1 limitation: FSDP2 over one rank never all-gathers on its streams, so the race "
+                         "cannot show; tests/gpu_multi.py runs this at world 2 (tests/gpu_check_multi.sh)")
+def test_fsdp2_all_gather_race_shows_without_the_fix():
+    """Without the fix (FSDP2's streams not waited on) the check of the test above fails: the all-gather copies the
+    shard before the update."""
     assert not all(run_ranks(_fsdp_race, 1, True, timeout=180, backend="nccl"))
 
 
@@ -237,7 +246,7 @@ def _fsdp_barrier(rank, world):
         for overlap in (True, False):
             model, mesh = _fsdp_model()
             seam = TestingSeam(before_apply=lambda st: torch.cuda._sleep(200_000_000))  # ~0.1 s on the lane
-            opt = OverlapMuon(model, device_mesh=mesh, overlap=overlap, _testing=seam, **HP)
+            opt = OverlapMuon(model, device_mesh=mesh, overlap=overlap, content_check=False, _testing=seam, **HP)
             second = torch.optim.AdamW(model.parameters(), lr=1e-3)  # writes every param after OverlapMuon.step()
             x = torch.randn(32, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
             model(x).sum().backward()  # warm-up: FSDP2 lazy init

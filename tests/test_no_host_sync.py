@@ -106,7 +106,7 @@ def test_fsdp_module_waits_pass_fsdp_streams():
 @pytest.mark.timeout(120)
 def test_gpu_check_script_runs_on_cpu(tmp_path):
     """``tests/gpu_check.py`` (what ``gpu_check.sh`` runs on a GPU) runs its code paths on tiny CPU shapes, so the
-    GPU run does not fail on a typo."""
+    GPU run does not fail on a typo; each section is in the JSON (the CUDA-only ones as skipped)."""
     import json
     import subprocess
     import sys
@@ -115,9 +115,48 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "tests/gpu_check.py", "--device", "cpu", "--small", "--skip-tests",
                            "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert len(report["ns"]) == 2 and report["overlap"]["step_s"]["on"] > 0
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert list(sections) == ["versions", "races", "memory", "sync_debug", "ns", "overlap", "scale"], list(sections)
+    assert sections["races"]["bitwise_vs_overlap_off"] and "skipped" in sections["memory"]
+    assert len(sections["ns"]["rows"]) == 2 and sections["overlap"]["step_s"]["on"] > 0
     # the scale checks: warm-up of one rank's groups (flat: all_to_all, all_gather; remat, TP: all_to_all; team:
     # all_reduce, all_gather), and two hops as 2 nodes of 1, bitwise the fused exchange with one peer each
-    warm, hops = report["scale"]["warm_up"], report["scale"]["node_exchange"]
-    assert warm["collectives"] == 6 and all(r["bitwise"] and r["peers"] == [1, 1] for r in hops), report["scale"]
+    warm, hops = sections["scale"]["warm_up"], sections["scale"]["node_exchange"]
+    assert warm["collectives"] == 6 and all(r["bitwise"] and r["peers"] == [1, 1] for r in hops), sections["scale"]
+
+
+@pytest.mark.timeout(60)
+def test_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path):
+    """Issue 46, finding 7: ``bash tests/gpu_check.sh`` on a machine without a GPU prints "no GPU", writes its JSON
+    and exits 0 (it used to fail)."""
+    import json
+    import os
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    root = os.path.dirname(os.path.dirname(__file__))
+    proc = subprocess.run(["bash", "tests/gpu_check.sh"], cwd=root, capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "GPU_CHECK_OUT": str(tmp_path)})
+    assert proc.returncode == 0 and "no GPU" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["no_gpu"] is True and report["versions"]["torch"] == torch.__version__
+
+
+@pytest.mark.timeout(120)
+def test_multi_gpu_script_runs_on_cpu(tmp_path):
+    """``tests/gpu_multi.py`` (what ``gpu_check_multi.sh`` runs on two GPUs) runs on 2 gloo ranks on CPU: FSDP2 with
+    a second optimizer writing after ``step()`` is bitwise ``overlap=False``; the stream race is skipped (no
+    streams)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "tests/gpu_multi.py", "--device", "cpu", "--out", str(tmp_path)], cwd=root,
+                          capture_output=True, text=True, timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_multi.json").read_text())
+    assert report["second_optimizer"]["bitwise_vs_overlap_off"] and "skipped" in report["all_gather_race"], report

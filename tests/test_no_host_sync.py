@@ -63,7 +63,7 @@ class _FakeStream:
 
 def test_wait_makes_every_given_stream_wait_on_the_event(monkeypatch):
     current, streams = _FakeStream(), [_FakeStream(), _FakeStream()]
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)  # the lanes name their device
     h = lanes_mod.LaneHandle("from_home")
     h.event = _FakeEvent()
     h.wait(streams)

@@ -54,8 +54,8 @@ from .messages import warn_user
 from .ns import ADJUST_LR_FNS, _schedule, adjusted_lr
 
 
-__all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update", "CommitAtApply",
-           "KeepForApply", "CommitAtPack", "create_momentum"]
+__all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update", "host_alphas",
+           "CommitAtApply", "KeepForApply", "CommitAtPack", "create_momentum"]
 
 
 def check_hyperparameters(
@@ -121,7 +121,7 @@ def ns_input(grad: Tensor, new_buf: Tensor, momentum: float, nesterov: bool) -> 
 
 def apply_update(
     param: Tensor, update: Tensor, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None,
-    full_shape: Sequence[int], region: tuple[int, int, int, int] | None = None,
+    full_shape: Sequence[int], region: tuple[int, int, int, int] | None = None, alpha: float | None = None,
 ) -> None:
     """Decoupled weight decay, then the scaled orthogonalized update, in place on a param shard.
 
@@ -138,13 +138,25 @@ def apply_update(
         full_shape: the FULL logical ``(P, Q)`` of the matrix, never the shard's.
         region: ``(row0, rows, col0, cols)`` of the shard in the full matrix (``overlap_muon.layout.block``);
             ``None``: the shard is the whole matrix.
+        alpha: ``-adjusted_lr`` already read on the host (:func:`host_alphas`); ``None``: computed here.
     """
     param.mul_(1 - lr * weight_decay)
-    alpha = -adjusted_lr(lr, adjust_lr_fn, full_shape)
+    if alpha is None:
+        alpha = -adjusted_lr(lr, adjust_lr_fn, full_shape)
     if param.dtype == torch.bfloat16 and update.dtype == torch.bfloat16 and param.device.type == "cpu":
         _add_like_full_matrix(param, update, alpha, (int(full_shape[0]), int(full_shape[1])), region)
     else:
         param.add_(update, alpha=alpha)
+
+
+def host_alphas(lr: Tensor, adjust_lr_fn: str | None, shapes: Sequence[tuple[int, int]]) -> dict:
+    """``-adjusted_lr(lr, adjust_lr_fn, shape)`` of a tensor ``lr`` for each full shape, as Python floats read in one
+    transfer: ``add_(alpha=t)`` turns a tensor alpha into the same double (``t.item()``), once per call, so on
+    CUDA torch.optim.Muon syncs once per param; read here, a step syncs once (none for a CPU ``lr``)."""
+    keys = sorted(set(shapes))
+    if not keys:
+        return {}
+    return dict(zip(keys, torch.stack([-adjusted_lr(lr, adjust_lr_fn, k) for k in keys]).tolist()))
 
 
 # Probe values for _scalar_path_elements: p + a*u with a = u = 1 + 2^-7 and p = 2^-8 (all exact in bf16). In fp32,

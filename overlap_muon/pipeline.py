@@ -55,7 +55,8 @@ from .domain import Domain
 from .placement import MuonParam
 from .lanes import Lanes, prof_range, wave_range_name
 from .exchanges import Exchange, ExchangeContext, Leg, Local, build_exchange
-from .muon_math import CommitAtApply, CommitAtPack, KeepForApply, apply_update, create_momentum, ns_input
+from .muon_math import (CommitAtApply, CommitAtPack, KeepForApply, apply_update, create_momentum, host_alphas,
+                        ns_input)
 from .wave_state import EarlyRelease, Hyper, LateRelease, Reads, WaveState
 
 __all__ = ["WavePipeline"]
@@ -203,7 +204,8 @@ class WavePipeline:
         st.updates = [by_position[j] for j in range(len(st.items))]
         self._release.after_scatter(st)
 
-    def _apply_task(self, st: WaveState, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None) -> None:
+    def _apply_task(self, st: WaveState, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None,
+                    alphas: dict | None) -> None:
         for j, i in enumerate([] if st.empty else st.items):
             m = self.muon[i]
             st.momentum.commit(j, m.local(st.bufs[j]), m.local(st.grads[j]), st.hyper.momentum)
@@ -213,7 +215,7 @@ class WavePipeline:
             for a, b, shape, region in m.runs:  # one run unless the matrix is split (overlap_muon.split)
                 whole = a == 0 and b == p.size(0)
                 apply_update(p if whole else p[a:b], u if whole else u[a:b], lr, weight_decay, adjust_lr_fn,
-                             shape, region)
+                             shape, region, None if alphas is None else alphas[tuple(shape)])
         self._release.after_apply(st)
 
     # --------------------------------------------------------------------------------------------------------
@@ -265,16 +267,18 @@ class WavePipeline:
         momentum buffers the state holds now. Every apply waits for every wave's scatter: a wave that failed fails
         them all, so a step is applied whole or not at all (the from_home lane is FIFO in wave order, so this delays
         no apply: the last wave's, which the next forward needs first, ran last anyway)."""
-        lr = group["lr"]
+        lr, wd, adj = group["lr"], group["weight_decay"], group["adjust_lr_fn"]
+        alphas = None
         if isinstance(lr, Tensor):  # as torch.optim's _to_scalar: a 1-element tensor of any shape acts as 0-d;
             lr = lr.reshape(()).clone()  # cloned: a scheduler may fill it before the apply runs
-        wd, adj = group["weight_decay"], group["adjust_lr_fn"]
+            alphas = host_alphas(lr, adj, [tuple(r[2]) for st in pending.values() for i in st.items
+                                           for r in self.muon[i].runs])
         scattered = [st.h_from for st in pending.values() if st.h_from is not None]
         with self._lock:
             for k in sorted(pending):
                 st = pending[k]
                 st.bufs = [self.state[self.muon[i].param]["momentum_buffer"] for i in st.items]
-                st.h_apply = self.lanes.submit("from_home", lambda st=st: self._apply_task(st, lr, wd, adj),
+                st.h_apply = self.lanes.submit("from_home", lambda st=st: self._apply_task(st, lr, wd, adj, alphas),
                                                scattered, wave_range_name(k, "apply"))
                 st.committed = True
                 self._pending.pop(k, None)

@@ -662,3 +662,23 @@ def test_param_groups_name_their_params():
     assert [g["param_names"] for g in opt.state_dict()["param_groups"]] == [["layers.0.weight", "layers.1.weight"],
                                                                              ["gain"]]
     opt.close()
+
+
+def test_tensor_lr_is_read_on_the_host_once_per_step(monkeypatch):
+    """Issue 46, finding 5: with a tensor ``lr`` every apply got a tensor alpha, which ``add_`` reads with
+    ``.item()`` (on CUDA a device sync per param, as torch.optim.Muon pays); now the step reads the scaled lr of
+    each full shape once (``muon_math.host_alphas``) and every apply gets a float, the same double: bitwise torch
+    (``test_tensor_lr_bitwise`` above)."""
+    import overlap_muon.muon_math as mm
+    import overlap_muon.pipeline as pl
+
+    seen, reads = [], []
+    apply, host = mm.apply_update, mm.host_alphas
+    monkeypatch.setattr(pl, "apply_update", lambda *a, **k: (seen.append(a[-1]), apply(*a, **k))[1])
+    monkeypatch.setattr(pl, "host_alphas", lambda *a: (reads.append(1), host(*a))[1])
+    model, opt, ref, mu, aw = _pair(True, muon_kw=dict(lr=torch.tensor(1e-3)), ref_muon_kw=dict(lr=torch.tensor(1e-3)))
+    _step_both(model, [opt], ref, [mu, aw], 0)
+    opt.synchronize()
+    assert seen and all(type(a) is float for a in seen) and len(reads) == 1, (seen[:3], reads)
+    assert not _diff(model, ref)
+    opt.close()

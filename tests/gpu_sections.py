@@ -61,6 +61,12 @@ def _cuda_only(device: torch.device) -> dict | None:
     return None if device.type == "cuda" else {"skipped": "no CUDA device (a smoke run of the code path)"}
 
 
+def _inputs(device: torch.device, small: bool, d: int, tokens: int) -> tuple[int, int, torch.Tensor]:
+    """``(width, layers, a (tokens, width) input)``: ``d`` and 8 layers, or 64 and 3 for a smoke run."""
+    d, layers = (64, 3) if small else (d, 8)
+    return d, layers, torch.randn(tokens, d, device=device, generator=torch.Generator(device).manual_seed(1))
+
+
 def _net(d: int, layers: int, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)]).to(device)
@@ -99,8 +105,8 @@ def races(device: torch.device, small: bool, out: str) -> dict:
     update): the params after 6 steps bitwise equal those of ``overlap=False``."""
     from overlap_muon.lanes import Lanes
 
-    d, layers, steps = (32, 3, 3) if small else (1024, 8, 6)
-    x = torch.randn(64, d, device=device, generator=torch.Generator(device).manual_seed(1))
+    d, layers, x = _inputs(device, small, 1024, 64)
+    steps = 3 if small else 6
     rng = random.Random(0)
     enqueue = Lanes._enqueue
 
@@ -137,11 +143,9 @@ def races(device: torch.device, small: bool, out: str) -> dict:
 def memory(device: torch.device, small: bool, out: str) -> dict:
     """MiB allocated after ``step(); zero_grad()`` at steps 1-4 and the peak over steps 2-4, overlap on vs off
     (figures; the on-minus-off difference after a step is what a wave still holds)."""
-    skip = _cuda_only(device)
-    if skip:
-        return skip
-    d, layers = (64, 3) if small else (2048, 8)
-    x = torch.randn(256, d, device=device)
+    if _cuda_only(device):
+        return _cuda_only(device)
+    d, layers, x = _inputs(device, small, 2048, 256)
     rows = {}
     for overlap in (True, False):
         net = _net(d, layers, device)
@@ -166,11 +170,9 @@ def sync_debug(device: torch.device, small: bool, out: str) -> dict:
     """Steps 2-4 of the default and ``async_step`` loops under ``set_sync_debug_mode``: with ``content_check=False``
     in ``"error"`` mode (no host sync anywhere); the default counted in ``"warn"`` mode (its content check reads
     one flag per step on the host, [Note: content fingerprints] in ``overlap_muon/wave_state.py``)."""
-    skip = _cuda_only(device)
-    if skip:
-        return skip
-    d, layers = (64, 3) if small else (1024, 8)
-    x = torch.randn(64, d, device=device)
+    if _cuda_only(device):
+        return _cuda_only(device)
+    d, layers, x = _inputs(device, small, 1024, 64)
     out_rows = {}
     for name, kw, mode in (("default_unchecked", dict(content_check=False), "error"),
                            ("async_step_unchecked", dict(content_check=False, async_step=True), "error"),

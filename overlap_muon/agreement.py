@@ -9,7 +9,9 @@ does), so which params take part is decided per rank, and ranks that disagree wo
 Each wave's ``to_home`` task first exchanges one byte per matrix with every peer on the domain's *gloo* group
 (``Domain.ctrl_group``), built from ``param.grad is None`` on the host: no device tensor is read or made, so on
 CUDA the launch never waits for the GPU. It runs on the lane (a worker thread on CPU); on CUDA, where lane work
-is enqueued from the launching thread, it waits for the peers' hosts only.
+is enqueued from the launching thread, the launch posts it instead (``all_to_all`` with ``async_op``, run on gloo's
+threads; :class:`PostedChecks`) and enqueues the wave's device work at a later launch once the flags are back, in
+wave order, or at the latest when ``step()`` commits: a grad hook never waits for another rank's host.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from torch import Tensor
 
 from .domain import Domain
 from .exchanges import run_collective
+from .lanes import LaneHandle
 from .placement import MuonParam
 from .wave_state import Hyper, WaveState
 
-__all__ = ["Agreement", "max_everywhere"]
+__all__ = ["Agreement", "PostedChecks", "max_everywhere"]
 
 #: The launched waves whose own errors explain a failed agreement (the step's in flight, first committed ones).
 InFlight = Callable[[], list[WaveState]]
@@ -106,6 +109,20 @@ class Agreement:
             if changed:
                 out[k] = "content"
         return out
+
+    def post_check(self, st: WaveState, dom: Domain) -> Callable[[], None]:
+        """:meth:`check_wave` posted without blocking: returns its verdict (waits for the flags, raises as
+        :meth:`check_wave` does); the flags are back when ``verdict.done()``."""
+        names = [self.muon[i].name for i in st.wave.params]
+        posted = run_collective(lambda: self._post(st, dom, wait=False), f"wave {st.wave.index} a2a_to_home", names,
+                                dom, "all_to_all", True)
+
+        def verdict() -> None:
+            run_collective(lambda: self._verdict(st, dom, posted), f"wave {st.wave.index} a2a_to_home", names, dom,
+                           "all_to_all", True)
+
+        verdict.done = posted[1].is_completed  # type: ignore[attr-defined]
+        return verdict
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank (one host flag, a max over the runtime's gloo group): a decision every
@@ -203,12 +220,22 @@ class Agreement:
                        True)
 
     def _check(self, st: WaveState, dom: Domain) -> None:
-        params = st.wave.params
+        self._verdict(st, dom, self._post(st, dom, wait=True))
+
+    @staticmethod
+    def _post(st: WaveState, dom: Domain, wait: bool) -> tuple[Tensor, Any]:
+        """Send this rank's flags to every peer: ``(everyone's flags, the collective's work or None)``."""
         n = dist.get_world_size(dom.ctrl_group)  # the domain, or (DP slots) every replica of it
-        have = torch.tensor([1 if i in st.items else 0 for i in params], dtype=torch.uint8)
+        have = torch.tensor([1 if i in st.items else 0 for i in st.wave.params], dtype=torch.uint8)
         everyone = torch.empty(n * have.numel(), dtype=torch.uint8)
-        dist.all_to_all_single(everyone, have.repeat(n), group=dom.ctrl_group)
-        table = everyone.view(n, -1)
+        work = dist.all_to_all_single(everyone, have.repeat(n), group=dom.ctrl_group, async_op=not wait)
+        return everyone.view(n, -1), work
+
+    def _verdict(self, st: WaveState, dom: Domain, posted: tuple[Tensor, Any]) -> None:
+        table, work = posted
+        if work is not None:
+            work.wait()
+        params = st.wave.params
         agree = (table == table[0]).all(dim=0).tolist()
         split = [self.muon[i].name for i, ok in zip(params, agree) if not ok]
         if split:
@@ -240,3 +267,28 @@ def max_everywhere(flags: Tensor, group: dist.ProcessGroup) -> None:
     everyone = torch.empty(world * flags.numel(), dtype=flags.dtype)
     dist.all_to_all_single(everyone, flags.repeat(world), group=group)
     flags.copy_(everyone.view(world, -1).amax(dim=0))
+
+
+class PostedChecks:
+    """The waves whose presence check is posted ([Note: gradient presence without the device]), in wave order, each
+    with the function that enqueues its tasks once the check is back (its ``h_check`` then holds the check's error,
+    which the wave's tasks carry, as a failed lane task's)."""
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[WaveState, Callable[[], None], Callable[[], None]]] = []
+
+    def add(self, st: WaveState, verdict: Callable[[], None], submit: Callable[[], None]) -> None:
+        self._queue.append((st, verdict, submit))
+        self.advance()
+
+    def advance(self, block: bool = False) -> None:
+        """Enqueue the tasks of the leading waves whose flags are back (every wave's with ``block``: the host waits
+        for the flags). Every rank enqueues every posted wave, in order, whatever the timing."""
+        while self._queue and (block or self._queue[0][1].done()):  # type: ignore[attr-defined]
+            st, verdict, submit = self._queue.pop(0)
+            st.h_check = LaneHandle("to_home")
+            try:
+                verdict()
+            except Exception as e:  # noqa: BLE001 - raised at the next wait, as a lane task's error
+                st.h_check.error = e
+            submit()

@@ -43,12 +43,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .scheduler.kinds import WavePlan
 from .scheduler.waves import Wave
 
-from .agreement import Agreement
+from .agreement import Agreement, PostedChecks
 from .comm import CommContext
 from .config import OverlapMuonConfig
 from .domain import Domain
@@ -102,6 +103,12 @@ class WavePipeline:
         self._applied: dict[int, WaveState] = {}  # committed, apply not yet waited for
         self._orphans: list[WaveState] = []  # discarded while tasks were still queued (their exchanges run on)
         self._lock = threading.RLock()
+        self.checks = PostedChecks()
+        self.post_checks = [self.lanes.cuda and d.ctrl_group is not None and d.flat_group is not None
+                            and dist.get_backend(d.flat_group) != "gloo" for d, _ in self._doms]
+        """Per domain: post each wave's presence check and enqueue its tasks once it is back (CUDA: no grad hook
+        waits for a peer's host). Only where the check's gloo group is its own: on a group that the exchanges use
+        too (a gloo job), the order of a later wave's check and an earlier wave's exchange would follow timing."""
 
     # --------------------------------------------------------------------------------------------------------
     # launch: four lane tasks, speculative
@@ -137,23 +144,31 @@ class WavePipeline:
                            if a.h_apply is not None and not a.h_apply.done() and set(a.items) & set(items)]
             if not writers:
                 st.reads.record_buffers()
-            k = wave.index
-            if check:  # [Note: gradient presence without the device] in agreement.py
-                st.h_check = self.lanes.submit("to_home", lambda: self.agreement.check_wave(st, dom), deps=writers)
-            st.h_pack = self.lanes.submit("to_home", lambda: self._pack_task(st), writers + st.handles(),
-                                          wave_range_name(k, "pack"))
-            st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st), [st.h_pack],
-                                        wave_range_name(k, "a2a_to_home"))
-            st.h_ns = self.lanes.submit("compute", lambda: self._ns_task(st), [st.h_to], wave_range_name(k, "ns"),
-                                        shareable=not any(e.ns_collective for e in self.exchanges[k]))
-            st.h_from = self.lanes.submit("from_home", lambda: self._from_home_task(st), [st.h_ns],
-                                          wave_range_name(k, "a2a_from_home"))
+            if check and self.post_checks[wave.domain]:  # [Note: gradient presence without the device]
+                self.checks.add(st, self.agreement.post_check(st, dom), lambda: self._submit_tasks(st, writers))
+            else:
+                if check:
+                    st.h_check = self.lanes.submit("to_home", lambda: self.agreement.check_wave(st, dom),
+                                                   deps=writers)
+                self._submit_tasks(st, writers)
         with self._lock:
             old = self._pending.pop(wave.index, None)
             if old is not None:
                 self._orphan(old)
             self._pending[wave.index] = st
         return st
+
+    def _submit_tasks(self, st: WaveState, writers: list) -> None:
+        """Queue the wave's pack, exchange, NS and exchange back (after ``writers`` and its check, if any)."""
+        k = st.wave.index
+        st.h_pack = self.lanes.submit("to_home", lambda: self._pack_task(st), writers + st.handles(),
+                                      wave_range_name(k, "pack"))
+        st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st), [st.h_pack],
+                                    wave_range_name(k, "a2a_to_home"))
+        st.h_ns = self.lanes.submit("compute", lambda: self._ns_task(st), [st.h_to], wave_range_name(k, "ns"),
+                                    shareable=not any(e.ns_collective for e in self.exchanges[k]))
+        st.h_from = self.lanes.submit("from_home", lambda: self._from_home_task(st), [st.h_ns],
+                                      wave_range_name(k, "a2a_from_home"))
 
     def _pack_task(self, st: WaveState) -> None:
         """The wave's only reads of ``.grad``: new momentum, Nesterov, bf16 cast; then its legs (one per exchange)."""
@@ -239,6 +254,7 @@ class WavePipeline:
         Raises:
             ValueError: the ranks disagree on gradient presence (``Agreement.presence``; nothing applied).
         """
+        self.checks.advance(block=True)  # every wave's tasks queued before it is validated
         with self._lock:
             pending = dict(self._pending)
         if skip:
@@ -259,6 +275,7 @@ class WavePipeline:
                 reruns += 1
                 self.stats[f"reruns.{why}"] += 1  # messages.RERUN_CAUSES
         self.stats["reruns"] += reruns
+        self.checks.advance(block=True)  # the re-runs' tasks, before the applies that wait for their scatters
         self._queue_applies(pending, group)
         return reruns
 
@@ -289,6 +306,7 @@ class WavePipeline:
 
         Their queued exchanges still run (every rank queued them), their results are dropped.
         """
+        self.checks.advance(block=True)  # a posted wave is queued on every rank before it is dropped
         with self._lock:
             pending, self._pending = self._pending, {}
             for st in pending.values():
@@ -375,6 +393,7 @@ class WavePipeline:
         Raises:
             RuntimeError: a lane task failed; its original exception (and traceback) is chained.
         """
+        self.checks.advance(block=True)
         self.lanes.help()
         self._release.synchronize()  # applies released at a wait (CUDA)
         with self._lock:
@@ -397,6 +416,7 @@ class WavePipeline:
     def retire(self) -> None:
         """A new plan replaces the waves: the committed states leave their wave indices and wait for their last
         tasks as orphans (released by :meth:`reap` once done; no host wait, so none on CUDA either)."""
+        self.checks.advance(block=True)
         with self._lock:
             applied, self._applied = list(self._applied.values()), {}
             for st in applied:

@@ -707,3 +707,52 @@ def test_async_step_forward_inside_a_capture_is_refused():
     opt._rt.pipeline.lanes.capturing = lambda: False
     opt.synchronize()
     opt.close()
+
+
+def _posted_checks(rank, world, split):
+    """Issue 46, finding 3, driven on CPU: the presence checks posted without blocking (the CUDA launch's way,
+    ``WavePipeline.post_checks``): no grad hook runs a blocking check, the result is bitwise the blocking one's, and
+    a gradient on one rank only is still a ValueError on every rank at ``step()``. As under NCCL, the checks get a
+    gloo group of their own (a gloo job's control group is the exchange's group, where posting is off)."""
+    import dataclasses
+    from overlap_muon.agreement import Agreement
+
+    blocking = Agreement.check_wave
+    Agreement.check_wave = lambda self, st, dom: (_ for _ in ()).throw(AssertionError("a blocking check ran"))
+    try:
+        finals = []
+        for post in (True, False):
+            net = PlainShardNet(1, world, 0, rank)
+            opt = plain_opt(net, 1, world, 0, rank, overlap=True, wave_slots=2, auto_overlap=False)
+            pipe = opt._pipeline
+            assert pipe.post_checks == [False, False]  # CPU: a gloo job
+            (to, back), own = pipe._doms[0], dist.new_group(list(range(world)), backend="gloo")
+            pipe._doms[0] = (dataclasses.replace(to, ctrl_group=own), back)
+            pipe.post_checks = [post, post]
+            posted, add = [], pipe.checks.add
+            pipe.checks.add = lambda *a: (posted.append(1), add(*a))
+            if not post:
+                Agreement.check_wave = blocking
+            for s in range(2 if not split else 1):
+                cs, _ = net.local_grads(s)
+                net(cs, skip=("l2",) if split and rank == 0 else ()).backward()
+                try:
+                    opt.step()
+                except ValueError as e:
+                    opt.close()
+                    return bool(posted) and "'l2.weight'" in str(e) and "some ranks" in str(e)
+                opt.zero_grad()
+            if bool(posted) != post:
+                return False
+            opt.synchronize()
+            finals.append([p.detach().clone() for p in net.parameters()])
+            opt.close()
+        return not split and all(torch.equal(a, b) for a, b in zip(*finals))
+    finally:
+        Agreement.check_wave = blocking
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("split", [False, True], ids=["bitwise", "split_presence"])
+def test_posted_presence_checks(split):
+    assert all(run_ranks(_posted_checks, 2, split, timeout=90, pg_timeout=30))

@@ -406,6 +406,32 @@ def test_max_grad_norm_fsdp_tp_2x2_overlap_equals_sync():
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _clip_norm_body(rank, world):
+    """Issue 46, finding 5 (shown as the price of exactness): ``max_grad_norm`` reduces each DTensor gradient's norm
+    by its own collective, as torch's own ``get_total_norm`` does on DTensor gradients: the total is bitwise
+    torch's. Stacking the partial norms of a mesh into one collective (tried) changes it at world 4 (3.8e-6 here,
+    gloo): the reduction order of a vector differs from a scalar's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from overlap_muon.clip import clip_grads_by_total_norm_
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(0)
+    grads = [distribute_tensor(torch.randn(16, 8, generator=gen), mesh, [k]) for k in [Shard(0), Shard(1),
+                                                                                         Replicate()] * 3]
+    want = torch.nn.utils.get_total_norm(grads, foreach=False)
+    want = want.full_tensor() if isinstance(want, DTensor) else want
+    total, clipped = clip_grads_by_total_norm_(grads, 1e-3)
+    return clipped and torch.equal(total, want)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_max_grad_norm_total_is_torchs_on_dtensor_grads(world):
+    assert all(run_ranks(_clip_norm_body, world, timeout=100))
+
+
 def _mismatch_body(rank, world):
     import os
 

@@ -316,7 +316,8 @@ def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommConte
         warn_user(f"OverlapMuon: surplus={config.surplus!r} is not combined with DP slots yet; the waves "
                       "run as surplus='idle' (the replicas still share the NS work)")
     return build_comm(p.layouts, p.elayouts, rank, timeout_s=config.pg_timeout_s, dp_slots=dp_on,
-                      team=not dp_on and config.surplus in ("team", "auto"), experts=p.has_experts, stages=p.stages,
+                      team=not dp_on and (config.surplus in ("team", "auto") or config.mode == "gram"),
+                      experts=p.has_experts, stages=p.stages,
                       node_size=node_size(p.layouts if distributed else None, config))
 
 
@@ -380,8 +381,8 @@ def ns_costs(muon: list[MuonParam], ns_steps: int, gram: bool = False) -> list[f
 
 
 def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: OverlapMuonConfig,
-         sizes: tuple[int, int], dp_size: int, cuda: bool, per_node: int | None = None
-         ) -> tuple[list[Wave], list[WavePlan]]:
+         sizes: tuple[int, int], dp_size: int, cuda: bool, per_node: int | None = None,
+         gram_ok: dict[int, bool] | None = None) -> tuple[list[Wave], list[WavePlan]]:
     """The waves (in launch order) and their frozen plans.
 
     Args:
@@ -393,6 +394,7 @@ def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: Ov
         per_node: the dense domain's ranks per node where its exchanges run in two hops: its homes then know
             nodes ([Note: homes that know nodes] in ``scheduler/homes.py``; not with DP slots, whose homes
             interleave replicas).
+        gram_ok: ``mode="gram"``: the params NS'd in Gram space (``gram_mode.gram_orientations``).
     """
     cfg = config
 
@@ -410,7 +412,8 @@ def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: Ov
     waves = plan_by_domain(order, [m.domain for m in muon], one)
     plans = plan_kinds(waves, [m.full_shape for m in muon], list(sizes), mode=cfg.mode, surplus=cfg.surplus,
                        fused=cfg.fused_a2a, dp_size=dp_size, cost_model=_cost_model(cfg.cost_model, cuda),
-                       no_team={m.index for m in muon if m.transposed or m.parts is not None})  # NS'd whole instead
+                       no_team={m.index for m in muon if m.transposed or m.parts is not None},  # NS'd whole instead
+                       gram_ok=gram_ok)
     return waves, plans
 
 

@@ -44,8 +44,13 @@ class OverlapMuonConfig:
         ValueError / TypeError: a field out of range or of the wrong type (names the field).
     """
 
-    mode: str = _opt("layer_sharded", "OVERLAP_MUON_MODE", choices=("layer_sharded", "duplicated"))
-    """``layer_sharded`` (NS once on a home rank) or ``duplicated`` (per-param all-gather, NS on every rank)."""
+    mode: str = _opt("layer_sharded", "OVERLAP_MUON_MODE", choices=("layer_sharded", "duplicated", "gram"))
+    """``layer_sharded`` (NS once on a home rank), ``duplicated`` (per-param all-gather, NS on every rank) or
+    ``gram`` (no gather: NS in Gram space over the shards, where a matrix is split along its long side only; the
+    others layer-sharded. NOT bitwise: [Note: sharded Gram NS] in ``gram_mode.py`` states its error)."""
+    gram_restart_every: int = _opt(5, "OVERLAP_MUON_GRAM_RESTART_EVERY", kind=int)
+    """``mode="gram"``: re-form the Gram from the shards every this many NS steps (``>= ns_steps``: once, the
+    source's gram_once; 1: every step; 4: Refresh-4). ``ceil(ns_steps / k)`` all-reduces per matrix."""
     overlap: bool = _opt(True, "OVERLAP_MUON_OVERLAP", kind=bool)
     """Launch waves from backward hooks, during backward (``False``: everything inside ``step()``)."""
     async_step: bool = _opt(False, "OVERLAP_MUON_ASYNC_STEP", kind=bool)

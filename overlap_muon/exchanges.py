@@ -46,10 +46,11 @@ from .placement import MuonParam
 from .scheduler.kinds import WavePlan
 from .layer_sharded_a2a import all_gather_full, from_homes, from_team, local_shard, to_homes, to_team
 from .ns import split_ns, zeropower_each
+from .gram_mode import sharded_gram_zeropower
 from .team_ns import team_zeropower_oriented
 
-__all__ = ["run_collective", "Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Local", "DPShared",
-           "build_exchange"]
+__all__ = ["run_collective", "Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Gram", "Local",
+           "DPShared", "build_exchange"]
 
 
 def run_collective(fn: Callable[[], Any], what: str, names: list[str], dom: Domain, op: str, fused: bool) -> Any:
@@ -114,6 +115,8 @@ class ExchangeContext:
     buffers] in ``layer_sharded_a2a/_route.py``); ``None``: fresh buffers each time (CUDA: the caching allocator)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards ``stats`` where two threads run :meth:`ns` at once."""
+    gram_restart_every: int = 5
+    """``mode="gram"``: NS steps between two all-reduces of a matrix's Gram (``gram_mode.py``)."""
 
     def ns(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
         """NS of each ``(P, Q)`` bf16 matrix (``ns.zeropower_each``; same-shape ones batched with ``batch_ns``).
@@ -125,6 +128,16 @@ class ExchangeContext:
             for k, v in counts.items():
                 self.stats[k] += v
         return out
+
+    def gram_ns(self, blocks: list[Tensor], talls: list[bool], kw: dict[str, Any]) -> list[Tensor]:
+        """[Note: sharded Gram NS] in ``gram_mode.py``: each matrix's NS over its blocks, in Gram space on
+        ``team_group`` (collective, in the same order on every rank)."""
+        with self.lock:
+            self.stats["ns_matrices"] += len(blocks)
+            self.stats["ns_calls"] += len(blocks)
+        opts = {k: kw[k] for k in ("ns_coefficients", "ns_steps", "eps")}
+        return [sharded_gram_zeropower(b, self.team_group, tall=t, restart_every=self.gram_restart_every, **opts)
+                for b, t in zip(blocks, talls)]
 
     def team_ns(self, work: list[tuple[list[Tensor], list[MuonParam], list[bool]]], kw: dict[str, Any]
                 ) -> list[Tensor]:
@@ -242,6 +255,28 @@ class Team(Exchange):
     def back_to_storage(self, leg: Leg) -> list[Tensor]:
         pds, shapes, dom, route = *self._layout(leg), self.dom_from, self._route("from_team", leg)
         return self._run(leg, "a2a_from_home", dom, lambda: from_team(leg.outs, pds, shapes, dom, route))
+
+
+class Gram(Exchange):
+    """No exchange: each rank keeps its block, and NS runs in Gram space over the blocks on the compute lane's own
+    group ([Note: sharded Gram NS] in ``gram_mode.py``; ``tall``: per param, whether its rows are split)."""
+
+    kind, op = "gram", "all_reduce"
+    ns_collective = True
+
+    def __init__(self, ctx: ExchangeContext, index: int, dom_to: Domain, dom_from: Domain, tall: dict[int, bool]
+                 ) -> None:
+        super().__init__(ctx, index, dom_to, dom_from)
+        self.tall = tall
+
+    def to_compute(self, leg: Leg) -> None:
+        leg.mats, leg.homed = list(leg.packed), list(leg.params)
+
+    def orthogonalize(self, leg: Leg, kw: dict[str, Any]) -> list[Tensor]:
+        return self.ctx.gram_ns(leg.mats, [self.tall[m.index] for m in leg.homed], kw)
+
+    def back_to_storage(self, leg: Leg) -> list[Tensor]:
+        return list(leg.outs)
 
 
 class Routed(Exchange):

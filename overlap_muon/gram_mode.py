@@ -29,7 +29,26 @@ from torch import Tensor
 
 from .ns import DEFAULT_NS_COEFFICIENTS, Coefficients, _schedule
 
-__all__ = ["sharded_gram_zeropower", "gram_collectives"]
+__all__ = ["sharded_gram_zeropower", "gram_collectives", "gram_orientations"]
+
+
+def gram_orientations(muon: list[Any], R: int, T: int) -> dict[int, bool]:
+    """``mode="gram"``: the Muon params (by index) whose shards over the dense ``R x T`` domain split their long side
+    only (every rank a disjoint block of it, the short side whole), each with ``tall`` (its rows are split: the
+    Gram is over its columns). The others (replicated, transposed, split into parts, expert, 2-D blocks, or split
+    along the short side, whose Gram would be the larger one) are layer-sharded."""
+    out: dict[int, bool] = {}
+    for m in muon:
+        if R * T == 1 or m.domain or m.replicated or m.transposed or m.parts is not None or m.expert is not None:
+            continue
+        P, Q = m.full_shape
+        rows = (T == 1) or (m.partition_dim == 0)  # remat splits rows; TP rows with partition_dim 0
+        cols = R == 1 and m.partition_dim == 1
+        if rows and P >= Q:
+            out[m.index] = True
+        elif cols and P <= Q:
+            out[m.index] = False
+    return out
 
 
 def gram_collectives(ns_steps: int, restart_every: int) -> int:

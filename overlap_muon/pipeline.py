@@ -55,7 +55,7 @@ from .config import OverlapMuonConfig
 from .domain import Domain
 from .placement import MuonParam
 from .lanes import Lanes, prof_range, wave_range_name
-from .exchanges import Exchange, ExchangeContext, Leg, Local, build_exchange
+from .exchanges import Exchange, ExchangeContext, Gram, Leg, Local, build_exchange
 from .muon_math import (CommitAtApply, CommitAtPack, KeepForApply, apply_update, create_momentum, host_alphas,
                         ns_input)
 from .wave_state import EarlyRelease, Hyper, LateRelease, Reads, WaveState
@@ -95,7 +95,8 @@ class WavePipeline:
         self.exchanges: dict[int, tuple[Exchange, Exchange]] = {}
         """Per wave index: its exchange and the ``local`` one of its replicated params (:meth:`set_plans`)."""
         self._ctx = ExchangeContext(config.fused_a2a, stats, config.batch_ns, comm.team,
-                                    buffers=None if device.type == "cuda" else {})
+                                    buffers=None if device.type == "cuda" else {},
+                                    gram_restart_every=config.gram_restart_every)
         self.keep_momentum = config.overlap and config.async_step
         """``async_step``: a wave keeps its new momentum from ``to_home`` to its apply, which then copies it instead
         of recomputing it from the gradient (the apply runs after ``step()`` returns)."""
@@ -176,12 +177,14 @@ class WavePipeline:
             st.empty = True
             return
         mps = [self.muon[i] for i in st.items]
-        main, local = self.exchanges[st.wave.index]
+        main, local, *gram = self.exchanges[st.wave.index]
         st.packed = self._pack(st, mps, [not m.replicated and not main.needs_input(m) for m in mps])
-        ex = [j for j, m in enumerate(mps) if not m.replicated]
+        own = gram[0].tall if gram else {}  # [Note: sharded Gram NS] in gram_mode.py: NS'd over their blocks
+        ex = [j for j, m in enumerate(mps) if not m.replicated and m.index not in own]
         rep = [j for j, m in enumerate(mps) if m.replicated]  # [Note: replicated params] in placement.py
+        by_gram = [j for j, m in enumerate(mps) if m.index in own]
         st.legs = [Leg(e, pos, [mps[j] for j in pos], [st.packed[j] for j in pos])
-                   for e, pos in ((main, ex), (local, rep)) if pos]
+                   for e, pos in ((main, ex), (local, rep), (gram[0] if gram else None, by_gram)) if pos]
 
     def _pack(self, st: WaveState, mps: list[MuonParam], skip: list[bool]) -> list[Tensor | None]:
         """The NS input of each item (bf16 shards; ``None`` where ``skip``: another replica computes it). The new
@@ -434,7 +437,9 @@ class WavePipeline:
         if self._ctx.buffers is not None:
             self._ctx.buffers.clear()
         self.exchanges = {p.wave.index: (build_exchange(p, self._ctx, self._doms[p.wave.domain], self.dp),
-                                         Local(self._ctx, p.wave.index, *self._doms[p.wave.domain])) for p in plans}
+                                         Local(self._ctx, p.wave.index, *self._doms[p.wave.domain]))
+                          + ((Gram(self._ctx, p.wave.index, *self._doms[0], dict(p.gram_tall)),) if p.gram_tall else ())
+                          for p in plans}
 
     def close(self) -> None:
         """Stop the lane threads once their queued tasks are done (does not wait for them)."""

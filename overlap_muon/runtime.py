@@ -25,6 +25,7 @@ from .clip import clip_grads_by_total_norm_
 from .comm import CommContext
 from .placement import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
+from .gram_mode import gram_orientations
 from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
 from .messages import warn_user
 from .overlap_choice import overlap_choice
@@ -92,6 +93,8 @@ class Runtime:
         self.per_node = comm.dom_to.nodes.ranks_per_node if comm.dom_to.nodes else None
         self.index = ParamIndex(muon)
         self.costs = builder.ns_costs(muon, ns_steps, config.gram_ns)
+        self.gram_ok = gram_orientations(muon, comm.dom_to.remat_size, comm.dom_to.tp_size) \
+            if config.mode == "gram" else None  # [Note: sharded Gram NS] in gram_mode.py
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
         self.phase = StepPhase.IDLE
         self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
@@ -147,7 +150,8 @@ class Runtime:
         pipeline."""
         self.order = order
         self.waves, self.wave_plans = builder.plan(order, self.muon, self.costs, self.config, self.sizes,
-                                                   self.dp_size, self.pipeline.lanes.cuda, self.per_node)
+                                                   self.dp_size, self.pipeline.lanes.cuda, self.per_node,
+                                                   self.gram_ok)
         self.pipeline.set_plans(self.wave_plans)
         self.index.wave_of = {i: w.index for w in self.waves for i in w.params}
         self.dispatcher = WaveDispatcher(self.waves, self._launch)

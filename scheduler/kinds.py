@@ -9,6 +9,7 @@ rank computes the same plans from the same inputs, and the construction check ha
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 from .surplus import SurplusCostModel, duplicate_homes, every_rank_kinds, team_splits_poly
@@ -34,18 +35,21 @@ class WavePlan:
     dp_size: int = 1
     """``dp_shared``: the number of replicas sharing the wave (a param's replica is ``home % dp_size``, its home in
     that replica's domain ``home // dp_size``)."""
+    gram_tall: tuple[tuple[int, bool], ...] = ()
+    """``mode="gram"``: the wave's params NS'd in Gram space over their blocks, each with whether its rows are split
+    (its Gram is over its columns); the pipeline gives them a leg of their own (``exchanges.Gram``)."""
 
     def describe(self) -> tuple:
         """Everything about the plan as plain values, for the cross-rank hash."""
         w = self.wave
         return (w.index, w.domain, w.params, tuple(sorted(w.homes.items())), self.kind, self.dup, self.split_poly,
-                self.dp_size)
+                self.dp_size, self.gram_tall)
 
 
 def plan_kinds(
     waves: Sequence[Wave], shapes: Sequence[tuple[int, int]], domain_sizes: Sequence[int], *, mode: str,
     surplus: str, fused: bool, dp_size: int, no_team: set[int] | frozenset[int],
-    cost_model: SurplusCostModel | None = None,
+    cost_model: SurplusCostModel | None = None, gram_ok: dict[int, bool] | None = None,
 ) -> list[WavePlan]:
     """One :class:`WavePlan` per wave.
 
@@ -61,7 +65,16 @@ def plan_kinds(
         dp_size: replicas sharing the dense domain's NS work (``dp_slots``; 1: none). Not combined with surplus.
         no_team: params that are never teamed (transposed or split matrices): a wave holding one is ``gathered``.
         cost_model: the machine figures of the surplus plan (``None``: ``SurplusCostModel()``'s).
+        gram_ok: ``mode="gram"``: the params whose shards split only their long side, each with whether its rows
+            are split: in a dense wave they are NS'd over their blocks (``gram_tall``), beside the wave's other
+            params, which are planned as in ``layer_sharded``.
     """
+    if mode == "gram":
+        plans = plan_kinds(waves, shapes, domain_sizes, mode="layer_sharded", surplus=surplus, fused=fused,
+                           dp_size=dp_size, no_team=no_team, cost_model=cost_model)
+        ok = gram_ok or {}
+        return [dataclasses.replace(p, gram_tall=tuple((i, ok[i]) for i in p.wave.params if i in ok))
+                if p.wave.domain == 0 else p for p in plans]
     if mode == "duplicated":
         return [WavePlan(w, "gathered") for w in waves]
     if dp_size > 1:

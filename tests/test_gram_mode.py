@@ -105,3 +105,63 @@ def test_gram_collectives_and_bad_input():
         sharded_gram_zeropower(torch.randn(4, 8), None, tall=False, restart_every=0)
     with pytest.raises(ValueError, match="2-D"):
         sharded_gram_zeropower(torch.randn(2, 4, 8), None, tall=False, restart_every=1)
+
+
+def _runtime_body(rank: int, world: int, overlap: bool, k: int) -> tuple[list[float], list[float], dict, list]:
+    """``mode="gram"`` on plain TP shards: a wide matrix split by columns and a tall one by rows (Gram waves), and
+    a wide one split by rows (its Gram would be the larger one: layer-sharded, bitwise torch). Returns per param the
+    largest difference from ``torch.optim.Muon`` on the full matrices after 3 steps, its bound, the stats, and the
+    plan's kinds."""
+    from torch import nn
+
+    from overlap_muon import OverlapMuon
+    from tests.models import HP, explicit_groups
+
+    tp, _ = explicit_groups(1, world, 0, rank)
+    specs = {"wide_cols": ((96, 160), 1), "tall_rows": ((160, 96), 0), "wide_rows": ((64, 128), 0)}
+    gen = torch.Generator().manual_seed(0)
+    fulls = {n: torch.randn(*shape, generator=gen) * 0.1 for n, (shape, _) in specs.items()}
+    net, ref = nn.Module(), {}
+    for n, (shape, pd) in specs.items():
+        size = shape[pd] // world
+        w = nn.Parameter(fulls[n].narrow(pd, rank * size, size).clone())
+        w.partition_dim, w.full_shape = pd, shape
+        setattr(net, n, w)
+        ref[n] = nn.Parameter(fulls[n].clone())
+    opt = OverlapMuon(net, muon_filter=lambda n, p: True, tp_group=tp, mode="gram", gram_restart_every=k,
+                      overlap=overlap, auto_overlap=False, **HP)
+    mu = torch.optim.Muon(list(ref.values()), **HP)
+    for s in range(3):
+        g = torch.Generator().manual_seed(100 + s)
+        for n, (shape, pd) in specs.items():
+            full = torch.randn(*shape, generator=g)
+            size = shape[pd] // world
+            getattr(net, n).grad = full.narrow(pd, rank * size, size).clone()
+            ref[n].grad = full
+            opt._rt.on_ready(opt._rt.index.first[id(getattr(net, n))])  # the grad-ready hook
+        opt.step()
+        mu.step()
+        opt.zero_grad()
+    opt.synchronize()
+    diffs, bounds = [], []
+    for n, (shape, pd) in specs.items():
+        size = shape[pd] // world
+        want = ref[n].detach().narrow(pd, rank * size, size)
+        diffs.append(float((getattr(net, n).detach() - want).abs().max()))
+        bounds.append(3 * HP["lr"] * max(1.0, shape[0] / shape[1]) ** 0.5 * 2 ** -7)
+    kinds = sorted({"gram" for p in opt._rt.wave_plans if p.gram_tall} | {p.kind for p in opt._rt.wave_plans})
+    stats = dict(opt.stats)
+    opt.close()
+    return diffs, bounds, stats, kinds
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap,k", [(True, 5), (True, 1), (False, 4)], ids=["overlap_once", "overlap_k1",
+                                                                           "sync_refresh4"])
+def test_runtime_gram_mode_within_its_bound(overlap, k):
+    """``mode="gram"``: the Gram waves within ``lr * ratio * 2**-7`` per step of torch's result (two bf16 ulps of
+    update entries below 1, as the team NS bound); the wide matrix split by rows stays layer-sharded and bitwise."""
+    for diffs, bounds, stats, kinds in run_ranks(_runtime_body, 2, overlap, k, timeout=100):
+        assert "gram" in kinds and "routed" in kinds, kinds
+        assert diffs[0] <= bounds[0] and diffs[1] <= bounds[1], (diffs, bounds)
+        assert diffs[2] == 0.0, diffs

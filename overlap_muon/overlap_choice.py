@@ -14,9 +14,10 @@ each, on the runtime's gloo group: the slowest rank sets the pace), the faster m
 run, and the choice and both times are logged once and kept in ``stats`` (``overlap_auto_on_us``,
 ``overlap_auto_off_us``, ``overlap_auto_chose_on``).
 
-CPU: the step barrier has waited for every apply, so the host clock at the end of ``step()`` is the iteration's
-end. CUDA: events recorded on the current stream at the first gradient and at the end of each ``step()``; the times are read only once
-every event has completed (``query()``), so deciding adds no host sync (until then the last trial mode stays).
+CPU: the step barrier has waited for every apply, so the host clock at the end of ``step()`` is the iteration's end.
+CUDA: events recorded on the current stream at the first gradient and at the end of each ``step()``; the times are
+read only once every event has completed (``query()``), so deciding adds no host sync (until then the last trial
+mode stays).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@
    ``agreement.py``; on CUDA posted, the other four queued once it is back), ``pack`` (wait for collectives still
    writing its gradients; new momentum, Nesterov, bf16 cast: the wave's only reads of ``.grad``), ``to_home`` (the
    wave's exchange, ``exchanges.py``, to the ranks that orthogonalize each matrix), ``compute`` (the exchange kind's
-   NS) and ``from_home`` (the exchange back: this rank's block of every ``O``). The exchange kind is the wave's frozen plan's (``scheduler/kinds.py``). Nothing the user
-   can see changes: the wave is *speculative*.
+   NS) and ``from_home`` (the exchange back: this rank's block of every ``O``). The exchange kind is the wave's
+   frozen plan's (``scheduler/kinds.py``). Nothing the user can see changes: the wave is *speculative*.
 3. ``step()`` calls :meth:`WavePipeline.commit`: a wave is *stale* when its set of gradients changed, or when
    anything it read changed since (a gradient edited in place or replaced, the state mapping, a state entry or
    momentum buffer replaced or edited, a momentum/NS hyper-parameter: [Note: a wave's reads] in ``wave_state.py``);

@@ -44,27 +44,27 @@ the records saw nothing ([Note: content fingerprints]; ``content_check``).
 takes it again and re-runs the wave when the two differ.
 
 On CPU the fingerprint of a tensor is the 64-bit XXH3 hash of its bytes (the ``xxhash`` package: one pass at memory
-speed, the GIL released, so a pack on a lane thread does not hold back backward's Python); a write that changes
-the bytes goes unseen with odds about ``2**-64`` per tensor, whatever its pattern. On CUDA (no host copy, no sync
-at the pack) the device computes it: one ``int64`` per tensor, whose bytes are read as 64-bit words ``x_i`` (a tensor whose bytes do
-not start on an 8-byte boundary is copied first; a tail shorter than a word counts as single bytes with the block
-weights ``v``), in blocks of ``BLOCK`` words; each block's sum
-``s_b = sum_i w_i x_i`` and then ``sum_b v_b s_b`` are taken modulo ``2**64`` (two's-complement wrap-around), with
-fixed pseudo-random *odd* weights ``w`` and ``v`` (a tensor of at most ``BLOCK`` whole words: its one block's sum).
-One pass over the data (a copy first only where it does not start aligned), on its device. Waves launched in a
-synchronous ``step()`` (nothing can change what they read before their commit) take none.
+speed, the GIL released, so a pack on a lane thread does not hold back backward's Python); a write that changes the
+bytes goes unseen with odds about ``2**-64`` per tensor, whatever its pattern. On CUDA (no host copy, no sync at the
+pack) the device computes it: one ``int64`` per tensor, whose bytes are read as 64-bit words ``x_i`` (a tensor whose
+bytes do not start on an 8-byte boundary is copied first; a tail shorter than a word counts as single bytes with the
+block weights ``v``), in blocks of ``BLOCK`` words; each block's sum ``s_b = sum_i w_i x_i`` and then ``sum_b v_b
+s_b`` are taken modulo ``2**64`` (two's-complement wrap-around), with fixed pseudo-random *odd* weights ``w`` and
+``v`` (a tensor of at most ``BLOCK`` whole words: its one block's sum). One pass over the data (a copy first only
+where it does not start aligned), on its device. Waves launched in a synchronous ``step()`` (nothing can change what
+they read before their commit) take none.
 
-Collision odds of the device's sum: a write changes the words by ``d_i = x'_i - x_i``. A write that changes a single word is always
-caught (``w_i`` odd, so ``w_i d_i != 0 mod 2**64``, and the same for the block sum times ``v_b``). Otherwise it
-goes unseen only when ``sum_i w_i d_i = 0 mod 2**64`` in every block it touched; for weights drawn at random this
-happens with probability about ``2**-(63 - k)``, ``2**k`` being the largest power of two dividing every ``d_i`` of
-the block: about ``2**-63`` for a write that changes values (averaging, scaling, clipping, masking), ``2**-41`` for
-a float32 halving (only exponents change, ``k = 23``). One pattern is never seen: changes confined to the top bit
-of an even number of words of a block (``w_i * 2**63 = 2**63`` for every odd ``w_i``), i.e. sign flips of exactly
-an even number of float32 values at odd positions (bf16 at positions 3 mod 4) of a 32 KiB block and nothing else;
-no write of a training loop we know makes it (a negation flips the other signs too). The comparison runs only
-where the records saw nothing; at one such write per wave and step, a million steps of a thousand waves meet a
-collision with odds below ``10**9 * 2**-41 < 5e-4`` in the halving case and ``1e-10`` for ordinary writes.
+Collision odds of the device's sum: a write changes the words by ``d_i = x'_i - x_i``. A write that changes a single
+word is always caught (``w_i`` odd, so ``w_i d_i != 0 mod 2**64``, and the same for the block sum times ``v_b``).
+Otherwise it goes unseen only when ``sum_i w_i d_i = 0 mod 2**64`` in every block it touched; for weights drawn at
+random this happens with probability about ``2**-(63 - k)``, ``2**k`` being the largest power of two dividing every
+``d_i`` of the block: about ``2**-63`` for a write that changes values (averaging, scaling, clipping, masking),
+``2**-41`` for a float32 halving (only exponents change, ``k = 23``). One pattern is never seen: changes confined to
+the top bit of an even number of words of a block (``w_i * 2**63 = 2**63`` for every odd ``w_i``), i.e. sign flips
+of exactly an even number of float32 values at odd positions (bf16 at positions 3 mod 4) of a 32 KiB block and
+nothing else; no write of a training loop we know makes it (a negation flips the other signs too). The comparison
+runs only where the records saw nothing; at one such write per wave and step, a million steps of a thousand waves
+meet a collision with odds below ``10**9 * 2**-41 < 5e-4`` in the halving case and ``1e-10`` for ordinary writes.
 """
 
 from __future__ import annotations

@@ -20,13 +20,14 @@ trial) and the accumulation and clipping ones: their ratios are ``None``.
 ``llama_exposed_fraction_world1``: the same at world 1 on a Llama-shaped stack (:class:`_LlamaStack`: d_model
 256, GQA with 4 query and 2 KV heads of 64, SwiGLU MLP 688; 6 layers, 42 matrices of 5 shapes), whose many
 small same-shape matrices show how waves batch (its NS calls per step are reported beside it).
-``sim_exposed_fraction_world{1,2}``: overlap on as :func:`overlap_muon.apps.simulate.simulate` models it, fed the per-phase figures measured
-in the same rounds (per-layer forward / backward times, unbatched NS FLOP/s) and after them (all_to_all
-bandwidth and latency, elementwise bandwidth), reported as ``exposed_overlap_s / exposed_no_overlap_s`` (the
-same definition). Its ``ns_interference`` comes from how many cores two compute threads get just before the
-case (:func:`_two_thread_speedup`; the machine may be shared). A full run also records a ``torch.profiler``
-trace of the world-1 overlapped step and draws it with :func:`overlap_muon.apps.timeline.draw_timeline`
-(``traces/bench_overlap_w1_*``): the waits it shows are the part of the exposed time spent blocked on waves.
+``sim_exposed_fraction_world{1,2}``: overlap on as :func:`overlap_muon.apps.simulate.simulate` models it, fed the
+per-phase figures measured in the same rounds (per-layer forward / backward times, unbatched NS FLOP/s) and after
+them (all_to_all bandwidth and latency, elementwise bandwidth), reported as ``exposed_overlap_s /
+exposed_no_overlap_s`` (the same definition). Its ``ns_interference`` comes from how many cores two compute threads
+get just before the case (:func:`_two_thread_speedup`; the machine may be shared). A full run also records a
+``torch.profiler`` trace of the world-1 overlapped step and draws it with
+:func:`overlap_muon.apps.timeline.draw_timeline` (``traces/bench_overlap_w1_*``): the waits it shows are the part of
+the exposed time spent blocked on waves.
 """
 
 from __future__ import annotations
@@ -382,8 +383,9 @@ def run(o: _Options) -> _CaseResult:
         lines.append(f"world {world}: none {_ms(med['none'])}  off {_ms(med['off'])}  on {_ms(med['on'])}  {default}"
                      f"async_step {_ms(med['async'])}  -> "
                      f"optimizer {_ms(med['off'] - med['none']).strip()}  (two threads got {speedup:.2f} cores)")
+        over_on = _fmt(ratios[f"async_over_on_iteration_world{world}"])
         lines.append(f"         exposed fraction: default {_fmt(frac)}, overlap on {_fmt(on_frac)}, async_step "
-                     f"{_fmt(async_frac)}; iteration async_step / on {_fmt(ratios[f'async_over_on_iteration_world{world}'])}")
+                     f"{_fmt(async_frac)}; iteration async_step / on {over_on}")
         if sim_frac is not None and on_frac is not None:
             lines.append(f"         overlap on's exposed fraction measured {on_frac:.3f}, simulator {sim_frac:.3f} "
                          f"(difference {sim_frac - on_frac:+.3f}; simulated optimizer "

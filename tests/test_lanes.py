@@ -88,16 +88,21 @@ def test_help_takes_nothing_the_worker_took():
 
 
 def test_step_helps_with_ns_and_stays_bitwise():
-    """With NS slowed on its lane, ``step()``'s barrier runs some NS tasks itself (on the main thread), and the
-    result is torch's, bitwise."""
+    """With the lane's first NS held until the barrier has run one, ``step()``'s barrier runs NS tasks itself (on the
+    main thread; no timing decides it), and the result is torch's, bitwise."""
     torch.manual_seed(0)
     model, ref = Deep(), Deep()
     ref.load_state_dict(model.state_dict())
     threads: list[str] = []
+    main, helped = threading.current_thread().name, threading.Event()
 
     def ns_wrap(ns, mats, kw):
-        threads.append(threading.current_thread().name)
-        time.sleep(0.01)
+        me = threading.current_thread().name
+        threads.append(me)
+        if me == main:
+            helped.set()
+        else:
+            helped.wait(30)  # the lane's worker waits here until the barrier has helped once
         return ns(mats, kw)
 
     opt = SeamedOverlapMuon(model, overlap=True, _testing=TestingSeam(ns_wrap=ns_wrap), **HP)
@@ -105,8 +110,7 @@ def test_step_helps_with_ns_and_stays_bitwise():
     train_pair(model, opt, ref, [torch.optim.Muon(ref.parameters(), **HP)], xs, range(3))
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
-    main = threading.current_thread().name
-    assert main in threads and any(t != main for t in threads), threads
+    assert helped.is_set() and any(t != main for t in threads), threads
     assert opt.stats["ns_matrices"] == len(threads)  # counted once each, whichever thread ran it
     opt.close()
 

@@ -272,10 +272,19 @@ def max_everywhere(flags: Tensor, group: dist.ProcessGroup) -> None:
 class PostedChecks:
     """The waves whose presence check is posted ([Note: gradient presence without the device]), in wave order, each
     with the function that enqueues its tasks once the check is back (its ``h_check`` then holds the check's error,
-    which the wave's tasks carry, as a failed lane task's)."""
+    which the wave's tasks carry, as a failed lane task's).
 
-    def __init__(self) -> None:
+    Args:
+        cuda: the lanes are CUDA streams (on CPU the check is the wave's first lane task).
+        domains: the runtime's domains (dense, expert).
+    """
+
+    def __init__(self, cuda: bool, domains: list[Domain]) -> None:
         self._queue: list[tuple[WaveState, Callable[[], None], Callable[[], None]]] = []
+        self.post = [cuda and d.ctrl_group is not None and d.flat_group is not None
+                     and dist.get_backend(d.flat_group) != "gloo" for d in domains]
+        """Per domain: post the checks. Only where the check's gloo group is its own: on a group the exchanges use
+        too (a gloo job), the order of a later wave's check and an earlier wave's exchange would follow timing."""
 
     def add(self, st: WaveState, verdict: Callable[[], None], submit: Callable[[], None]) -> None:
         self._queue.append((st, verdict, submit))

@@ -50,7 +50,7 @@ from .gram_mode import sharded_gram_zeropower
 from .team_ns import team_zeropower_oriented
 
 __all__ = ["run_collective", "Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Gram", "Local",
-           "DPShared", "build_exchange"]
+           "DPShared", "WaveExchanges", "build_exchange"]
 
 
 def run_collective(fn: Callable[[], Any], what: str, names: list[str], dom: Domain, op: str, fused: bool) -> Any:
@@ -389,8 +389,37 @@ class DPShared(Exchange):
         return got
 
 
-def build_exchange(p: WavePlan, ctx: ExchangeContext, doms: tuple[Domain, Domain], dp: DPSlots | None) -> Exchange:
-    """The exchange of one frozen wave plan, on the wave's domain (``doms``: the gather and the scatter lanes')."""
+@dataclass
+class WaveExchanges:
+    """One wave's exchanges: its kind's (``main``), ``local`` for its replicated params ([Note: replicated params]
+    in ``placement.py``) and, with ``mode="gram"``, ``gram`` for the params NS'd over their blocks."""
+
+    main: Exchange
+    local: Exchange
+    gram: Gram | None = None
+
+    @property
+    def ns_shareable(self) -> bool:
+        """No NS of the wave issues a collective: another thread may run it ([Note: a waiting thread helps])."""
+        return not any(e is not None and e.ns_collective for e in (self.main, self.local, self.gram))
+
+    def legs(self, mps: Sequence[MuonParam], packed: Sequence[Tensor | None]) -> list[Leg]:
+        """One leg per exchange that has params among ``mps`` (``packed``: their NS inputs, in ``mps`` order)."""
+        own = self.gram.tall if self.gram is not None else {}
+        split = ((self.main, [j for j, m in enumerate(mps) if not m.replicated and m.index not in own]),
+                 (self.local, [j for j, m in enumerate(mps) if m.replicated]),
+                 (self.gram, [j for j, m in enumerate(mps) if m.index in own]))
+        return [Leg(e, pos, [mps[j] for j in pos], [packed[j] for j in pos]) for e, pos in split if pos]
+
+
+def build_exchange(p: WavePlan, ctx: ExchangeContext, doms: tuple[Domain, Domain], dp: DPSlots | None
+                   ) -> WaveExchanges:
+    """The exchanges of one frozen wave plan, on the wave's domain (``doms``: the gather and the scatter lanes')."""
+    gram = Gram(ctx, p.wave.index, *doms, dict(p.gram_tall)) if p.gram_tall else None
+    return WaveExchanges(_main_exchange(p, ctx, doms, dp), Local(ctx, p.wave.index, *doms), gram)
+
+
+def _main_exchange(p: WavePlan, ctx: ExchangeContext, doms: tuple[Domain, Domain], dp: DPSlots | None) -> Exchange:
     w, (dom_to, dom_from) = p.wave, doms
     if p.kind == "gathered":
         return Gathered(ctx, w.index, dom_to, dom_from)

@@ -154,6 +154,18 @@ class ForwardWaits:
             "of classes of your own; or use the default async_step=False (no forward waits)."
         )
 
+    def wait_gradients_read(self) -> None:
+        """At the end of ``step()``: make the caller wait until every committed wave has read its gradients (its pack
+        task), so that the user may zero, free or overwrite ``.grad`` once ``step()`` returns. CPU: the host waits
+        (the exchanges and NS go on); CUDA: the current stream waits on the pack events.
+
+        Raises:
+            RuntimeError: a lane task of the wave failed (its traceback is chained).
+        """
+        for st in self._pipeline.in_flight():
+            if st.h_pack is not None:
+                st.h_pack.wait()
+
     def register_wait(self, module: nn.Module, params: Iterable[Tensor]) -> None:
         """Make ``module``'s forward wait for ``params``' updates."""
         mine = self.index.of_tensors(params)

@@ -43,7 +43,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .scheduler.kinds import WavePlan
@@ -55,7 +54,7 @@ from .config import OverlapMuonConfig
 from .domain import Domain
 from .placement import MuonParam
 from .lanes import Lanes, prof_range, wave_range_name
-from .exchanges import Exchange, ExchangeContext, Gram, Leg, Local, build_exchange
+from .exchanges import ExchangeContext, WaveExchanges, build_exchange
 from .muon_math import (CommitAtApply, CommitAtPack, KeepForApply, apply_update, create_momentum, host_alphas,
                         ns_input)
 from .wave_state import EarlyRelease, Hyper, LateRelease, Reads, WaveState
@@ -92,8 +91,8 @@ class WavePipeline:
         self.lanes = Lanes(device, side_streams=config.side_streams and not one_wave, nvtx=config.nvtx)
         # CPU (and inline): a task drops what the next no longer needs; CUDA: whole states, after their last event.
         self._release = LateRelease() if self.lanes.cuda else EarlyRelease()
-        self.exchanges: dict[int, tuple[Exchange, Exchange]] = {}
-        """Per wave index: its exchange and the ``local`` one of its replicated params (:meth:`set_plans`)."""
+        self.exchanges: dict[int, WaveExchanges] = {}
+        """Per wave index: its exchanges (:meth:`set_plans`)."""
         self._ctx = ExchangeContext(config.fused_a2a, stats, config.batch_ns, comm.team,
                                     buffers=None if device.type == "cuda" else {},
                                     gram_restart_every=config.gram_restart_every)
@@ -104,12 +103,7 @@ class WavePipeline:
         self._applied: dict[int, WaveState] = {}  # committed, apply not yet waited for
         self._orphans: list[WaveState] = []  # discarded while tasks were still queued (their exchanges run on)
         self._lock = threading.RLock()
-        self.checks = PostedChecks()
-        self.post_checks = [self.lanes.cuda and d.ctrl_group is not None and d.flat_group is not None
-                            and dist.get_backend(d.flat_group) != "gloo" for d, _ in self._doms]
-        """Per domain: post each wave's presence check and enqueue its tasks once it is back (CUDA: no grad hook
-        waits for a peer's host). Only where the check's gloo group is its own: on a group that the exchanges use
-        too (a gloo job), the order of a later wave's check and an earlier wave's exchange would follow timing."""
+        self.checks = PostedChecks(self.lanes.cuda, [d for d, _ in self._doms])
 
     # --------------------------------------------------------------------------------------------------------
     # launch: four lane tasks, speculative
@@ -145,7 +139,7 @@ class WavePipeline:
                            if a.h_apply is not None and not a.h_apply.done() and set(a.items) & set(items)]
             if not writers:
                 st.reads.record_buffers()
-            if check and self.post_checks[wave.domain]:  # [Note: gradient presence without the device]
+            if check and self.checks.post[wave.domain]:  # [Note: gradient presence without the device]
                 self.checks.add(st, self.agreement.post_check(st, dom), lambda: self._submit_tasks(st, writers))
             else:
                 if check:
@@ -167,7 +161,7 @@ class WavePipeline:
         st.h_to = self.lanes.submit("to_home", lambda: self._to_home_task(st), [st.h_pack],
                                     wave_range_name(k, "a2a_to_home"))
         st.h_ns = self.lanes.submit("compute", lambda: self._ns_task(st), [st.h_to], wave_range_name(k, "ns"),
-                                    shareable=not any(e.ns_collective for e in self.exchanges[k]))
+                                    shareable=self.exchanges[k].ns_shareable)
         st.h_from = self.lanes.submit("from_home", lambda: self._from_home_task(st), [st.h_ns],
                                       wave_range_name(k, "a2a_from_home"))
 
@@ -177,14 +171,9 @@ class WavePipeline:
             st.empty = True
             return
         mps = [self.muon[i] for i in st.items]
-        main, local, *gram = self.exchanges[st.wave.index]
-        st.packed = self._pack(st, mps, [not m.replicated and not main.needs_input(m) for m in mps])
-        own = gram[0].tall if gram else {}  # [Note: sharded Gram NS] in gram_mode.py: NS'd over their blocks
-        ex = [j for j, m in enumerate(mps) if not m.replicated and m.index not in own]
-        rep = [j for j, m in enumerate(mps) if m.replicated]  # [Note: replicated params] in placement.py
-        by_gram = [j for j, m in enumerate(mps) if m.index in own]
-        st.legs = [Leg(e, pos, [mps[j] for j in pos], [st.packed[j] for j in pos])
-                   for e, pos in ((main, ex), (local, rep), (gram[0] if gram else None, by_gram)) if pos]
+        exchanges = self.exchanges[st.wave.index]
+        st.packed = self._pack(st, mps, [not m.replicated and not exchanges.main.needs_input(m) for m in mps])
+        st.legs = exchanges.legs(mps, st.packed)
 
     def _pack(self, st: WaveState, mps: list[MuonParam], skip: list[bool]) -> list[Tensor | None]:
         """The NS input of each item (bf16 shards; ``None`` where ``skip``: another replica computes it). The new
@@ -362,19 +351,6 @@ class WavePipeline:
                         del self._applied[k]
                 st.release()
 
-    def wait_gradients_read(self) -> None:
-        """``async_step``, at the end of ``step()``: make the caller wait until every committed wave has read its
-        gradients (its pack task), so that the user may zero, free or overwrite ``.grad`` once ``step()`` returns.
-        CPU: the host waits (the exchanges and NS go on); CUDA: the current stream waits on the pack events.
-
-        Raises:
-            RuntimeError: a lane task of the wave failed (its traceback is chained).
-        """
-        with self._lock:
-            packs = [st.h_pack for st in self._applied.values() if st.h_pack is not None]
-        for h in packs:
-            h.wait()
-
     def reap(self) -> None:
         """Release every state whose tasks have all finished; surface a failed task now. Never blocks."""
         self._release.prune()
@@ -425,21 +401,13 @@ class WavePipeline:
             for st in applied:
                 self._orphan(st)
 
-    def has_pending(self) -> bool:
-        """Some wave has been launched this step and not committed."""
-        with self._lock:
-            return bool(self._pending)
-
     def set_plans(self, plans: Sequence[WavePlan]) -> None:
         """The wave plan changed (construction, or the observed readiness order): build each wave's exchange from
         its frozen plan (``exchanges.build_exchange``); the routing caches are per (wave, params), so drop them."""
         self._ctx.routes.clear()
         if self._ctx.buffers is not None:
             self._ctx.buffers.clear()
-        self.exchanges = {p.wave.index: (build_exchange(p, self._ctx, self._doms[p.wave.domain], self.dp),
-                                         Local(self._ctx, p.wave.index, *self._doms[p.wave.domain]))
-                          + ((Gram(self._ctx, p.wave.index, *self._doms[0], dict(p.gram_tall)),) if p.gram_tall else ())
-                          for p in plans}
+        self.exchanges = {p.wave.index: build_exchange(p, self._ctx, self._doms[p.wave.domain], self.dp) for p in plans}
 
     def close(self) -> None:
         """Stop the lane threads once their queued tasks are done (does not wait for them)."""

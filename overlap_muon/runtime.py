@@ -290,7 +290,7 @@ class Runtime:
         Raises:
             ValueError: on every rank, the ranks disagree on gradient presence (nothing launched or applied).
         """
-        agreed = ok and not self.config.overlap and not self.pipeline.has_pending()
+        agreed = ok and not self.config.overlap and not self.dispatcher.launched  # no wave launched this step yet
         if agreed:
             self.agreement.presence([], self.pipeline.in_flight)
             self.phase = StepPhase.SYNC_STEP
@@ -346,7 +346,7 @@ class Runtime:
                 self._choose()
             return
         self.waits.after_step([w.index for w in self.waves])
-        self.pipeline.wait_gradients_read()  # the applies read no gradient: the user may zero them now
+        self.waits.wait_gradients_read()  # the applies read no gradient: the user may zero them now
 
     def _choose(self) -> None:
         """[Note: overlap where it pays]: the next trial iteration's mode, then the agreed choice."""

@@ -6,7 +6,7 @@ measured. Sections, in order, with their budgets (``tests/gpu_check.sh`` holds t
 section             budget  what
 ==================  ======  ===========================================================================================
 ``versions``        1 s     torch, CUDA, NCCL, driver, the GPUs
-``cuda_tests``      200 s   ``tests/test_cuda.py`` (world-1 limitations are skips with their reason, not failures)
+``cuda_tests``      200 s   ``tests/test_cuda.py`` (what needs two ranks on FSDP2 is in ``tests/gpu_multi.py``)
 ``sanitizer``       120 s   its side-stream tests again under ``TORCH_CUDA_SANITIZER=1`` (stream races of tensors)
 ``races``           30 s    random delays on every lane task and poisoned allocations after each step, bitwise
                             against ``overlap=False``

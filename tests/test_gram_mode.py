@@ -14,19 +14,9 @@ import torch
 import torch.distributed as dist
 
 from overlap_muon.gram_mode import gram_collectives, sharded_gram_zeropower
-from overlap_muon.ns import DEFAULT_NS_COEFFICIENTS, zeropower
+from overlap_muon.apps.bench.step import ns_float64
+from overlap_muon.ns import zeropower
 from tests.dist_utils import run_ranks
-
-
-def _ns64(X: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    a, b, c = DEFAULT_NS_COEFFICIENTS
-    x = X.double()
-    tall = x.size(0) > x.size(1)
-    x = (x.T if tall else x) / x.norm().clamp(min=1e-7)
-    for _ in range(steps):
-        A = x @ x.T
-        x = a * x + (b * A + c * A @ A) @ x
-    return x.T if tall else x
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,7 +54,7 @@ def _body(rank: int, world: int, empty_last: bool) -> list[str]:
             long = X.size(0) if tall else X.size(1)
             a, b = _blocks(long, world, empty_last)[rank]
             shard = X[a:b] if tall else X[:, a:b]
-            want, plain = _ns64(X), zeropower(X)
+            want, plain = ns_float64(X), zeropower(X)
             for k in (1, 2, 4, 5):
                 calls.clear()
                 got = sharded_gram_zeropower(shard, group, tall=tall, restart_every=k)

@@ -711,7 +711,7 @@ def test_async_step_forward_inside_a_capture_is_refused():
 
 def _posted_checks(rank, world, split):
     """Issue 46, finding 3, driven on CPU: the presence checks posted without blocking (the CUDA launch's way,
-    ``WavePipeline.post_checks``): no grad hook runs a blocking check, the result is bitwise the blocking one's, and
+    ``PostedChecks.post``): no grad hook runs a blocking check, the result is bitwise the blocking one's, and
     a gradient on one rank only is still a ValueError on every rank at ``step()``. As under NCCL, the checks get a
     gloo group of their own (a gloo job's control group is the exchange's group, where posting is off)."""
     import dataclasses
@@ -725,10 +725,10 @@ def _posted_checks(rank, world, split):
             net = PlainShardNet(1, world, 0, rank)
             opt = plain_opt(net, 1, world, 0, rank, overlap=True, wave_slots=2, auto_overlap=False)
             pipe = opt._pipeline
-            assert pipe.post_checks == [False, False]  # CPU: a gloo job
+            assert pipe.checks.post == [False, False]  # CPU: a gloo job
             (to, back), own = pipe._doms[0], dist.new_group(list(range(world)), backend="gloo")
             pipe._doms[0] = (dataclasses.replace(to, ctrl_group=own), back)
-            pipe.post_checks = [post, post]
+            pipe.checks.post = [post, post]
             posted, add = [], pipe.checks.add
             pipe.checks.add = lambda *a: (posted.append(1), add(*a))
             if not post:

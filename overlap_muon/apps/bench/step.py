@@ -37,9 +37,11 @@ _MODES: dict[str, dict[str, Any]] = {"layer_sharded": dict(mode="layer_sharded")
                                      "gram_k1": dict(mode="gram", gram_restart_every=1)}
 
 
-def _ns64(x: Tensor, steps: int = 5) -> Tensor:
-    """torch.optim.Muon's NS in float64 (the reference the errors are measured against)."""
+def ns_float64(x: Tensor, steps: int = 5) -> Tensor:
+    """torch.optim.Muon's NS of a ``(P, Q)`` matrix in float64 (its default coefficients; a tall one transposed):
+    the reference the errors are measured against (also ``tests/test_gram_mode.py``'s)."""
     a, b, c = DEFAULT_NS_COEFFICIENTS
+    x = x.double()
     tall = x.size(0) > x.size(1)
     x = (x.T if tall else x) / x.norm().clamp(min=1e-7)
     for _ in range(steps):
@@ -73,7 +75,7 @@ def _errors(nets: dict[str, nn.Module], start: list[tuple[Tensor, Tensor]], pds:
         for _ in range(steps):
             buf.lerp_(g.double(), 1 - hp["momentum"])
             u = g.double().lerp(buf, hp["momentum"]) if hp["nesterov"] else buf
-            p = p * (1 - hp["lr"] * hp["weight_decay"]) - adjusted_lr(hp["lr"], None, p.shape) * _ns64(u)
+            p = p * (1 - hp["lr"] * hp["weight_decay"]) - adjusted_lr(hp["lr"], None, p.shape) * ns_float64(u)
         den += float((p - p0.double()).norm() ** 2)
         for m in nets:
             num[m] += float((finals[m][j].double() - p).norm() ** 2)

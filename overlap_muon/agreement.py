@@ -106,8 +106,8 @@ class Agreement:
         flags = torch.stack([c.to(checks[0][1].device) for _, c in checks]).tolist()
         out = list(why)
         for (k, _), changed in zip(checks, flags):
-            if changed:
-                out[k] = "content"
+            if changed:  # [Note: a clip that does not bite] in version_fix.py: a device clip that bit
+                out[k] = "grad_edited:clip_grad_norm_" if pending[waves[k].index].reads.clipped else "content"
         return out
 
     def post_check(self, st: WaveState, dom: Domain) -> Callable[[], None]:

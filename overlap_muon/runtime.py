@@ -31,7 +31,7 @@ from .messages import warn_user
 from .overlap_choice import overlap_choice
 from .pipeline import WavePipeline
 from .scheduler import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher
-from .wave_state import Hyper, versions
+from .wave_state import Hyper
 
 __all__ = ["Runtime", "StepPhase"]
 
@@ -98,8 +98,9 @@ class Runtime:
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
         self.phase = StepPhase.IDLE
         self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
-        self.edits = LearnedEdits(  # [Note: learned clipping] in scheduler/dispatch.py
-            lambda: [versions(m.param.grad) if m.param.grad is not None else (-1, -1) for m in muon])
+        grads = lambda: [m.param.grad for m in muon]  # noqa: E731
+        self.edits = LearnedEdits(lambda: version_fix.snapshot(grads()),  # [Note: learned clipping] in dispatch.py
+                                  lambda then: version_fix.edited_since(then, grads()))
         self._warned_capture = False
         self.ddp_copies = False  # an attached DDP without gradient_as_bucket_view ([Note: DDP readiness])
         self.fixed = [False]  # whether this optimizer holds the version fix (``hook``)

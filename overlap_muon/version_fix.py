@@ -41,12 +41,20 @@ call the collective alone (Dynamo rewrites it to a functional collective, which 
 1e-6))`` in place, also when that is exactly 1.0 (torch avoids the branch to avoid a host sync). The values do not
 change, but the counters move, and the stale check would re-run every wave: Hugging Face's ``Trainer`` calls
 ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)`` each step, and with ``max_grad_norm=0`` still
-``clip_grad_norm_(..., inf)`` to log the norm. :func:`install` wraps ``clip_grads_with_norm_`` (the public name and
-the module global that ``clip_grad_norm_`` calls) so that it computes the coefficient as torch does and, when it is
-exactly 1.0, returns without multiplying: bit for bit what the multiplication would leave, and no counter moves. A
-coefficient below 1 (or NaN, from a non-finite norm) takes torch's own path. The cost: one scalar read on the host
-per call (on CUDA a sync, as with ``OverlapMuon(max_grad_norm=...)``; [Note: clipping and speculative waves] in
-``clip.py``), and for a DTensor norm its ``full_tensor()`` (no communication when it is replicated).
+``clip_grad_norm_(..., inf)`` to log the norm; torchtitan calls ``clip_grads_with_norm_`` every step. :func:`install`
+wraps ``clip_grads_with_norm_`` (the public name and the module global that ``clip_grad_norm_`` calls):
+- where the coefficient is on the CPU, it computes it as torch does and, when it is exactly 1.0, returns without
+  multiplying: bit for bit what the multiplication would leave, and no counter moves. A coefficient below 1 (or NaN,
+  from a non-finite norm) takes torch's own path;
+- on a device (CUDA), reading it would be a host sync in every user clip, so torch multiplies as always and the
+  wrapper notes the gradients' counters before and after (:func:`clipped_only`). A wave whose gradients only such a
+  clip moved is not stale by its records: the commit compares its content fingerprint instead ([Note: content
+  fingerprints] in ``wave_state.py``, read with the other waves' flags, the step's one read), which is unchanged
+  exactly when the clip changed no bit. A held step ([Note: learned clipping] in ``scheduler/dispatch.py``) asks
+  :func:`clip_bit` whether the clip bit: a flag copied to the host behind an event, read once the event has
+  completed (no sync; until then the last flag read stands). Without the content check
+  (``content_check=False``) such a wave re-runs.
+A DTensor coefficient is read through ``full_tensor()`` (no communication when it is replicated).
 
 Not covered: the same ops reached from C++ or through ``torch.ops.aten`` / ``torch._C._VariableFunctions``, and
 edits through ``Tensor.data`` (a separate version counter by design: ``p.grad.data.mul_(c)`` is invisible to autograd
@@ -66,7 +74,7 @@ import torch.distributed as dist
 
 __all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions",
            "install", "installed", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed", "writer_of",
-           "end_step"]
+           "end_step", "versions", "host_read_free", "clipped_only", "clip_bit", "snapshot", "edited_since"]
 
 logger = logging.getLogger("overlap_muon")
 
@@ -88,6 +96,10 @@ _writers: dict[int, tuple[str, Any]] = {}  # storage -> (the wrapped op that las
 _users = 0  # live OverlapMuon(overlap=True) instances that acquired the fixes
 _originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (module, name, original) of every wrapped function
 _done: set[str] = set()  # "dtensor_foreach", "amp_unscale", "c10d", "unit_clip": the fixes in place in this process
+_device_clips: dict[int, tuple[Any, tuple[int, int], tuple[int, int]]] = {}  # storage -> (the gradient weakly,
+# its versions before the step's first device clip, after its last) ([Note: a clip that does not bite])
+_clip_bits: list[tuple[Any, torch.Tensor]] = []  # (event or None, host bool: the clip bit), oldest first
+_last_bit = [True]  # the last clip_bit read; True before any: a held step stays held
 
 
 def foreach_bumps_dtensor_versions(mesh: Any) -> bool:
@@ -212,24 +224,102 @@ def wait_in_flight(tensors: Any) -> None:
         w.wait()
 
 
+def versions(t: torch.Tensor) -> tuple[int, int]:
+    """Version counters of a tensor and of its local shard: an in-place op on a DTensor bumps the wrapper's only
+    (the local op runs below autograd's version tracking), one on the local shard bumps the shard's."""
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return t._version, local._version
+
+
+def host_read_free(device: torch.device) -> bool:
+    """Whether the clip's coefficient can be read on the host without a sync ([Note: a clip that does not bite])."""
+    return device.type == "cpu"
+
+
 def _skipping_unit_clip(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``clip_grads_with_norm_`` that does nothing when its coefficient is exactly 1.0 ([Note: a clip that does not
-    bite])."""
+    """``clip_grads_with_norm_`` that leaves no trace when its coefficient is exactly 1.0 ([Note: a clip that does
+    not bite])."""
 
     @functools.wraps(fn)
     def wrapper(parameters: Any, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:
-        if not torch.compiler.is_compiling():
-            with torch.no_grad():
-                coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-                coef = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
-                if bool(coef == 1.0):
-                    return None
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            _note_writer("clip_grad_norm_", [p.grad for p in parameters if p.grad is not None])
-        return fn(parameters, max_norm, total_norm, foreach)
+        if torch.compiler.is_compiling():
+            return fn(parameters, max_norm, total_norm, foreach)
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        with torch.no_grad():
+            coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+            coef = coef.full_tensor() if hasattr(coef, "full_tensor") else coef
+            on_host = host_read_free(coef.device)
+            if on_host and bool(coef == 1.0):
+                return None
+        before = [versions(g) for g in grads]
+        out = fn(parameters, max_norm, total_norm, foreach)
+        if not on_host:
+            _note_device_clip(grads, before, coef)
+        _note_writer("clip_grad_norm_", grads)
+        return out
 
     wrapper.__overlap_muon_version_fix__ = fn  # type: ignore[attr-defined]
     return wrapper
+
+
+def _note_device_clip(grads: list[torch.Tensor], before: list[tuple[int, int]], coef: torch.Tensor) -> None:
+    """Record a device clip: each gradient's versions around it (chained with an earlier clip of the step that
+    left them as they were), and whether it bit, copied to the host behind an event. Records outlive the step (a
+    later optimizer's commit reads them); a write since makes them no match, and the dead ones are dropped here."""
+    for key in [k for k, (ref, _, _) in _device_clips.items() if ref() is None]:
+        del _device_clips[key]
+    for g, b in zip(grads, before):
+        seen = _device_clips.get(_storage(g))
+        if seen is not None and seen[0]() is g and seen[2] == b:
+            b = seen[1]
+        _device_clips[_storage(g)] = (weakref.ref(g), b, versions(g))
+    with torch.no_grad():
+        bit = (coef < 1.0) | (coef != coef)
+    if bit.device.type == "cpu":
+        _clip_bits.append((None, bit))
+    else:
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(bit, non_blocking=True)
+        event = torch.Event(bit.device)
+        event.record()
+        _clip_bits.append((event, host))
+    clip_bit()  # drop the flags already readable
+    del _clip_bits[:-64]  # a bound where nobody asks (the oldest flag unread yet is then never read)
+
+
+def clipped_only(t: torch.Tensor, before: tuple[int, int]) -> bool:
+    """Whether device clips of this step are the only writes that moved ``t``'s versions since they were
+    ``before`` ([Note: a clip that does not bite]): its bytes then differ exactly where a clip bit."""
+    seen = _device_clips.get(_storage(t)) if _device_clips else None
+    return seen is not None and seen[0]() is t and seen[1] == before and seen[2] == versions(t)
+
+
+def snapshot(grads: list[torch.Tensor | None]) -> list[tuple[Any, tuple[int, int]]]:
+    """The gradients and their versions now, for :func:`edited_since`."""
+    return [(g, versions(g) if g is not None else (-1, -1)) for g in grads]
+
+
+def edited_since(then: list[tuple[Any, tuple[int, int]]], grads: list[torch.Tensor | None]) -> bool:
+    """Whether ``grads`` were replaced or written since :func:`snapshot` gave ``then``; gradients that only device
+    clips moved count when the clip bit (:func:`clip_bit`: a flag read without a sync)."""
+    clipped = False
+    for g, (was, v) in zip(grads, then):
+        if g is not was:
+            return True
+        if g is not None and versions(g) != v:
+            if not clipped_only(g, v):
+                return True
+            clipped = True
+    return clipped and clip_bit()
+
+
+def clip_bit() -> bool:
+    """Whether the latest device clip whose flag is readable without a sync bit (scaled some gradient, or its
+    norm was not finite); the last flag read while none is readable (True before any)."""
+    while _clip_bits and (_clip_bits[0][0] is None or _clip_bits[0][0].query()):
+        _last_bit[0] = bool(_clip_bits.pop(0)[1])
+    return _last_bit[0]
 
 
 def _wrap(names: tuple[str, ...], which: Callable[[Any], bool]) -> None:

@@ -81,7 +81,7 @@ from .exchanges import Leg
 from .lanes import LaneHandle
 from .placement import MuonParam, local_tensor
 from .scheduler.waves import Wave
-from .version_fix import wait_in_flight, writer_of
+from .version_fix import clipped_only, versions, wait_in_flight, writer_of
 
 __all__ = ["Hyper", "Reads", "versions", "WaveState", "EarlyRelease", "LateRelease", "fingerprint"]
 
@@ -181,12 +181,6 @@ class Hyper:
                      group["eps"])
 
 
-def versions(t: Tensor) -> tuple[int, int]:
-    """Version counters of a tensor and of its local shard: an in-place op on a DTensor bumps the wrapper's only
-    (the local op runs below autograd's version tracking), one on the local shard bumps the shard's."""
-    return t._version, local_tensor(t)._version
-
-
 class Reads:
     """Everything one wave's NS input was computed from ([Note: a wave's reads]): identities recorded at launch,
     on the launching thread, and version counters recorded by the pack just before it reads.
@@ -198,13 +192,15 @@ class Reads:
         grads: their gradients as ``param.grad`` holds them (DTensor or shard).
     """
 
-    __slots__ = ("hyper", "state", "grads", "entries", "bufs", "buf_versions", "content", "fp", "read_tensors")
+    __slots__ = ("hyper", "state", "grads", "entries", "bufs", "buf_versions", "content", "fp", "read_tensors",
+                 "clipped")
 
     def __init__(self, hyper: Hyper, state: Any, mps: Sequence[MuonParam], grads: Sequence[Tensor],
                  content: bool = True) -> None:
         self.hyper, self.state, self.content = hyper, state, content
         self.fp: Tensor | None = None
         self.read_tensors: list[Tensor | None] = []
+        self.clipped = False  # a device clip moved the gradients since: the content check decides
         self.grads = [(g, versions(g)) for g in grads]
         self.entries = [state.get(m.param) for m in mps]
         self.bufs = [e.get("momentum_buffer") if e else None for e in self.entries]
@@ -254,7 +250,8 @@ class Reads:
     def change(self, state: Any, hyper: Hyper, mps: Sequence[MuonParam]) -> str | None:
         """What the wave would read differently now (``None``: nothing): a key of ``messages.RERUN_CAUSES``, or
         ``grad_edited:<op>`` naming the op that last wrote a gradient in place where it is known
-        (``version_fix.writer_of``). ``mps``: the wave's params with a gradient now (the caller has checked that
+        (``version_fix.writer_of``). Gradients that only a device clip moved leave the verdict to the content check
+        (:attr:`clipped`). ``mps``: the wave's params with a gradient now (the caller has checked that
         they are the ones it launched with). Host-side only."""
         if self.buf_versions is None:
             return "failed"  # a pack that failed recorded nothing
@@ -262,10 +259,13 @@ class Reads:
             return "hyper"
         if state is not self.state:
             return "state"
+        self.clipped = False
         for m, (g, v) in zip(mps, self.grads):
             if m.param.grad is not g:
                 return "grad_replaced"
-            if versions(g) != v:
+            if versions(g) != v and self.content and clipped_only(g, v):
+                self.clipped = True  # [Note: a clip that does not bite] in version_fix.py: its bytes decide
+            elif versions(g) != v:
                 op = writer_of(g)
                 return f"grad_edited:{op}" if op else "grad_edited"
         for m, entry, buf, v in zip(mps, self.entries, self.bufs, self.buf_versions):

@@ -24,7 +24,7 @@ same and launches the same waves.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .waves import Wave
 
@@ -207,26 +207,27 @@ class LearnedEdits:
     step's edit is agreed over the ranks (one host flag).
 
     Args:
-        versions: the gradients' version counters now (one entry per watched gradient, in a fixed order).
+        snapshot: what the gradients are now (``version_fix.snapshot``), taken at the end of a held backward.
+        edited: whether the gradients were edited since a snapshot (``version_fix.edited_since``).
     """
 
-    def __init__(self, versions: Callable[[], list[tuple[int, int]]]) -> None:
+    def __init__(self, snapshot: Callable[[], Any], edited: Callable[[Any], bool]) -> None:
         self.hold = False
-        self._now = versions
-        self._versions: list[tuple[int, int]] | None = None  # the gradients' counters at the end of a held backward
+        self._snapshot, self._edited = snapshot, edited
+        self._then: Any = None  # the gradients at the end of a held backward
 
     def backward_ended(self) -> None:
-        """A backward ended: a held step remembers its gradients' counters."""
+        """A backward ended: a held step remembers its gradients."""
         if self.hold:
-            self._versions = self._now()
+            self._then = self._snapshot()
 
     def stepped(self, reruns: int, clipped: bool, any_rank: Callable[[bool], bool]) -> None:
         """The step's waves are committed: ``reruns`` waves re-ran (agreed over the ranks), ``clipped``: the
         optimizer's own clip bit. A held step asks ``any_rank`` (a max of one flag over the ranks) whether its
-        gradients moved since its backward ended. The next step holds exactly when this one was edited."""
+        gradients were edited since its backward ended. The next step holds exactly when this one was edited."""
         held = self.hold
-        moved = held and self._versions is not None and self._now() != self._versions
-        self.hold, self._versions = reruns > 0 or (held and any_rank(moved or clipped)), None
+        moved = held and self._then is not None and self._edited(self._then)
+        self.hold, self._then = reruns > 0 or (held and any_rank(moved or clipped)), None
 
 
 class ReadinessRecorder:

@@ -11,7 +11,8 @@ section             budget  what
 ``races``           30 s    random delays on every lane task and poisoned allocations after each step, bitwise
                             against ``overlap=False``
 ``memory``          20 s    memory after ``step(); zero_grad()`` and the peak over steps 2-4, overlap on vs off
-``sync_debug``      20 s    steps 2-4 of the default and ``async_step`` loops under ``set_sync_debug_mode("error")``
+``sync_debug``      20 s    steps 2-4 of the default, ``async_step`` and user-clip loops under
+                            ``set_sync_debug_mode("error")``
 ``ns``              20 s    NS vs ``torch.bmm`` throughput
 ``overlap``         60 s    the exposed optimizer fraction of a 12-layer d2048 model, with a timeline picture
 ``scale``           60 s    two gloo ranks on the GPU under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: the warm-up over NCCL

@@ -72,10 +72,12 @@ def _net(d: int, layers: int, device: torch.device) -> nn.Module:
     return nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)]).to(device)
 
 
-def _loop(net: nn.Module, opt: OverlapMuon, x: torch.Tensor, steps: int, after_step: Callable[[], None] | None = None
-          ) -> None:
+def _loop(net: nn.Module, opt: OverlapMuon, x: torch.Tensor, steps: int, after_step: Callable[[], None] | None = None,
+          clip: float | None = None) -> None:
     for _ in range(steps):
         net(x).float().pow(2).mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         opt.zero_grad()
         if after_step is not None:
@@ -169,14 +171,17 @@ def memory(device: torch.device, small: bool, out: str) -> dict:
 def sync_debug(device: torch.device, small: bool, out: str) -> dict:
     """Steps 2-4 of the default and ``async_step`` loops under ``set_sync_debug_mode``: with ``content_check=False``
     in ``"error"`` mode (no host sync anywhere); the default counted in ``"warn"`` mode (its content check reads
-    one flag per step on the host, [Note: content fingerprints] in ``overlap_muon/wave_state.py``)."""
+    one flag per step on the host, [Note: content fingerprints] in ``overlap_muon/wave_state.py``); each also with a
+    user ``clip_grad_norm_`` that does not bite between backward and ``step()`` (its wrapper reads nothing on the
+    host: [Note: a clip that does not bite] in ``overlap_muon/version_fix.py``)."""
     if _cuda_only(device):
         return _cuda_only(device)
     d, layers, x = _inputs(device, small, 1024, 64)
     out_rows = {}
-    for name, kw, mode in (("default_unchecked", dict(content_check=False), "error"),
-                           ("async_step_unchecked", dict(content_check=False, async_step=True), "error"),
-                           ("default", {}, "warn")):
+    for name, kw, mode, clip in (("default_unchecked", dict(content_check=False), "error", None),
+                                 ("async_step_unchecked", dict(content_check=False, async_step=True), "error", None),
+                                 ("user_clip_unchecked", dict(content_check=False), "error", 1e6),
+                                 ("default", {}, "warn", None), ("user_clip", {}, "warn", 1e6)):
         net = _net(d, layers, device)
         opt = OverlapMuon(net, overlap=True, auto_overlap=False, **kw, **HP)
         _loop(net, opt, x, 1)
@@ -185,8 +190,8 @@ def sync_debug(device: torch.device, small: bool, out: str) -> dict:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode(mode)
             try:
-                _loop(net, opt, x, 3)
-                out_rows[name] = {"ok": True}
+                _loop(net, opt, x, 3, clip=clip)
+                out_rows[name] = {"ok": True, "reruns": opt.stats["reruns"]}
             except RuntimeError as e:
                 out_rows[name] = {"ok": False, "error": str(e)[:500]}
             finally:

@@ -183,7 +183,7 @@ def test_superseded_launches_never_read_as_more_reruns_than_waves():
     assert "6 of 6 waves re-ran in step()" in said[1], said
 
 
-def _clip_run(how: str, steps: int = 5, bite_until: int = 99):
+def _clip_run(how: str, steps: int = 5, bite_until: int = 99, **kw):
     """Clip every step by ``max_grad_norm`` (``how="max_grad_norm"``) or by the user's ``clip_grad_norm_`` between
     backward and ``step()``; the bound bites for steps ``< bite_until`` and not after. Returns the first differing
     step, NS matrices per step, the Muon matrix count and the optimizer's stats."""
@@ -193,7 +193,7 @@ def _clip_run(how: str, steps: int = 5, bite_until: int = 99):
     torch.manual_seed(0)
     model = TinyNet()
     ref = copy.deepcopy(model)
-    kw = dict(max_grad_norm=1e-3) if how == "max_grad_norm" else {}
+    kw = dict(kw, max_grad_norm=1e-3) if how == "max_grad_norm" else kw
     opt, refs = OverlapMuon(model, adamw_kwargs=ADAMW_KW, **kw, **HP), _ref_opts(ref)
     ns, bad, speculated = [], None, []
     for s in range(steps):
@@ -231,3 +231,26 @@ def test_learned_clipping(how):
     assert ns == [2 * mats, mats, mats, mats, mats, mats], ns
     assert stats["edit_held_steps"] == 3 and stats["reruns"] == mats, stats  # steps 1-3 held; step 3 unclipped
     assert speculated == [True, False, False, False, True, True], speculated
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("content_check", [True, False])
+def test_user_clip_on_a_device_reads_no_coefficient(monkeypatch, content_check):
+    """Bug: the process-wide wrapper of ``clip_grads_with_norm_`` read the clip coefficient on the host in every
+    user clip (on CUDA a sync per ``clip_grad_norm_`` call, also in loops without OverlapMuon). Now, where that read
+    is not free ([Note: a clip that does not bite] in ``version_fix.py``; CPU patched to act as a device here),
+    torch multiplies as always; the waves the clip moved are judged by their content fingerprints, and held steps
+    by the clip's flag read behind an event. Same bits, same schedule as with the host read: a clip that does not
+    bite re-runs nothing. Without the content check every clipped wave re-runs (exact, slower)."""
+    from overlap_muon import version_fix
+
+    monkeypatch.setattr(version_fix, "host_read_free", lambda device: False)
+    bad, ns, mats, stats, speculated = _clip_run("user", steps=6, bite_until=3, content_check=content_check)
+    assert not bad, bad
+    if content_check:
+        assert speculated == [True, False, False, False, True, True], speculated
+        assert ns == [2 * mats, mats, mats, mats, mats, mats], ns
+        assert stats["reruns"] == stats["reruns.grad_edited:clip_grad_norm_"] == mats, stats
+    else:  # step 5 re-runs too (by its counters), so step 6 is held; its clip did not bite
+        assert speculated == [True, False, False, False, True, False], speculated
+        assert ns == [2 * mats, mats, mats, mats, 2 * mats, mats], ns

@@ -483,10 +483,16 @@ def test_loss_built_from_the_params_without_a_forward_waits_at_step():
     opt.close()
 
 
-def _clip_dtensor_tp_body(rank, world):
+def _clip_dtensor_tp_body(rank, world, bound=0.5, on_device=False):
     """The break test's case: TP 1x2 DTensors, a real backward, torch's clip_grad_norm_ (default foreach) between
-    backward and step; the reference gets exactly the clipped gradients."""
+    backward and step; the reference gets exactly the clipped gradients. ``on_device``: the clip wrapper acts as on
+    a device (no host read of its coefficient)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from overlap_muon import version_fix
+
+    if on_device:
+        version_fix.host_read_free = lambda device: False
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -511,7 +517,7 @@ def _clip_dtensor_tp_body(rank, world):
         gen = torch.Generator().manual_seed(s)
         x, r = torch.randn(8, 16, generator=gen), torch.randn(8, 24, generator=gen)
         model(x, r).backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), bound)
         for p, q in zip(full.parameters(), model.parameters()):
             p.grad = q.grad.full_tensor()
         opt.step()
@@ -525,13 +531,16 @@ def _clip_dtensor_tp_body(rank, world):
 
 
 @pytest.mark.timeout(120)
-def test_clip_grad_norm_of_dtensor_grads_is_exact_with_overlap():
+@pytest.mark.parametrize("on_device,bound", [(False, 0.5), (True, 0.5), (True, 1e6)])
+def test_clip_grad_norm_of_dtensor_grads_is_exact_with_overlap(on_device, bound):
     """Bug (found by a break test): with DTensor gradients, torch's ``clip_grad_norm_`` scales them with
     ``torch._foreach_mul_``, which in torch 2.13 moves neither version counter, so overlap mode committed the
     waves computed from the unclipped gradients (1.6e-3 off ``torch.optim.Muon`` after one step). Now the
-    in-place foreach ops bump DTensor versions ([Note: DTensor foreach versions]) and those waves re-run."""
-    res = run_ranks(_clip_dtensor_tp_body, 2, timeout=90)
-    assert all(not bad and reruns > 0 for bad, reruns in res), res
+    in-place foreach ops bump DTensor versions ([Note: DTensor foreach versions]) and those waves re-run. Where
+    the clip wrapper reads no coefficient (a device), a clip that bites re-runs them by their content, and one
+    that does not bite (its multiply by 1.0 moved the counters) re-runs nothing."""
+    res = run_ranks(_clip_dtensor_tp_body, 2, bound, on_device, timeout=90)
+    assert all(not bad and (reruns > 0) == (bound < 1) for bad, reruns in res), res
 
 
 def test_version_fix_makes_foreach_bump_dtensor_versions():

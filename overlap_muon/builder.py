@@ -37,7 +37,8 @@ from .placement import place_params
 from .scheduler import plan_by_domain, plan_waves, plan_waves_by_cost
 from .scheduler.cost import ns_cost
 from .scheduler.kinds import WavePlan, plan_kinds
-from .scheduler.surplus import CPU_GLOO, SurplusCostModel
+from .ns_strategy import Strategies
+from .scheduler.surplus_cost import PROFILES, SurplusCostModel
 from .scheduler.waves import Wave
 from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
 
@@ -316,7 +317,8 @@ def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommConte
         warn_user(f"OverlapMuon: surplus={config.surplus!r} is not combined with DP slots yet; the waves "
                       "run as surplus='idle' (the replicas still share the NS work)")
     return build_comm(p.layouts, p.elayouts, rank, timeout_s=config.pg_timeout_s, dp_slots=dp_on,
-                      team=not dp_on and (config.surplus in ("team", "auto") or config.mode == "gram"),
+                      team=not dp_on and (config.surplus in ("team", "auto") or config.mode == "gram"
+                                          or config.mode == "auto" and config.allow_inexact),
                       experts=p.has_experts, stages=p.stages,
                       node_size=node_size(p.layouts if distributed else None, config))
 
@@ -382,7 +384,7 @@ def ns_costs(muon: list[MuonParam], ns_steps: int, gram: bool = False) -> list[f
 
 def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: OverlapMuonConfig,
          sizes: tuple[int, int], dp_size: int, cuda: bool, per_node: int | None = None,
-         gram_ok: dict[int, bool] | None = None) -> tuple[list[Wave], list[WavePlan]]:
+         strategies: Strategies | None = None) -> tuple[list[Wave], list[WavePlan]]:
     """The waves (in launch order) and their frozen plans.
 
     Args:
@@ -394,7 +396,7 @@ def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: Ov
         per_node: the dense domain's ranks per node where its exchanges run in two hops: its homes then know
             nodes ([Note: homes that know nodes] in ``scheduler/homes.py``; not with DP slots, whose homes
             interleave replicas).
-        gram_ok: ``mode="gram"``: the params NS'd in Gram space (``gram_mode.gram_orientations``).
+        strategies: each param's NS strategy (``ns_strategy.ns_strategies``; ``None``: every param at its home).
     """
     cfg = config
 
@@ -411,13 +413,15 @@ def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: Ov
 
     waves = plan_by_domain(order, [m.domain for m in muon], one)
     plans = plan_kinds(waves, [m.full_shape for m in muon], list(sizes), mode=cfg.mode, surplus=cfg.surplus,
-                       fused=cfg.fused_a2a, dp_size=dp_size, cost_model=_cost_model(cfg.cost_model, cuda),
+                       fused=cfg.fused_a2a, dp_size=dp_size, cost_model=cost_model(cfg.cost_model, cuda),
                        no_team={m.index for m in muon if m.transposed or m.parts is not None},  # NS'd whole instead
-                       gram_ok=gram_ok)
+                       gram_ok=strategies.gram if strategies else None,
+                       duplicated=strategies.duplicated if strategies else frozenset())
     return waves, plans
 
 
-def _cost_model(name: str, cuda: bool) -> SurplusCostModel:
-    """The surplus plan's machine figures for ``OverlapMuonConfig.cost_model``."""
-    return SurplusCostModel() if name == "cuda" or (name == "auto" and cuda) else CPU_GLOO
+def cost_model(name: str, cuda: bool) -> SurplusCostModel:
+    """The machine figures of ``OverlapMuonConfig.cost_model`` (``auto``: by where the lanes run)."""
+    name = {"cuda": "h200", "auto": "h200" if cuda else "cpu_gloo"}.get(name, name)
+    return PROFILES[name]
 

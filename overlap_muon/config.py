@@ -44,10 +44,14 @@ class OverlapMuonConfig:
         ValueError / TypeError: a field out of range or of the wrong type (names the field).
     """
 
-    mode: str = _opt("layer_sharded", "OVERLAP_MUON_MODE", choices=("layer_sharded", "duplicated", "gram"))
-    """``layer_sharded`` (NS once on a home rank), ``duplicated`` (per-param all-gather, NS on every rank) or
+    mode: str = _opt("layer_sharded", "OVERLAP_MUON_MODE", choices=("layer_sharded", "duplicated", "gram", "auto"))
+    """``layer_sharded`` (NS once on a home rank), ``duplicated`` (per-param all-gather, NS on every rank),
     ``gram`` (no gather: NS in Gram space over the shards, where a matrix is split along its long side only; the
-    others layer-sharded. NOT bitwise: [Note: sharded Gram NS] in ``gram_mode.py`` states its error)."""
+    others layer-sharded. NOT bitwise: [Note: sharded Gram NS] in ``gram_mode.py`` states its error) or ``auto``
+    (per weight, the cheapest of the three by ``cost_model``'s figures; Gram only with ``allow_inexact``, so bitwise
+    without it: [Note: NS strategy per weight] in ``scheduler/strategy.py``)."""
+    allow_inexact: bool = _opt(False, "OVERLAP_MUON_ALLOW_INEXACT", kind=bool)
+    """``mode="auto"`` may pick Gram NS (not bitwise) where its cost model says it is the cheapest."""
     gram_restart_every: int = _opt(5, "OVERLAP_MUON_GRAM_RESTART_EVERY", kind=int)
     """``mode="gram"``: re-form the Gram from the shards every this many NS steps (``>= ns_steps``: once, the
     source's gram_once; 1: every step; 4: Refresh-4). ``ceil(ns_steps / k)`` all-reduces per matrix."""
@@ -126,11 +130,13 @@ class OverlapMuonConfig:
     fused exchanges ``duplicate`` (and ``auto``) also run plans that give a matrix ``k`` of the
     ranks (its homes each get it and run its NS; only the other ranks get a scatter). Teams of part of the domain
     are simulated only ([Note: runtime wiring] in ``scheduler/surplus.py``)."""
-    cost_model: str = _opt("auto", "OVERLAP_MUON_COST_MODEL", choices=("auto", "cuda", "cpu_gloo"))
-    """The machine figures the surplus plan weighs (``surplus="auto"``, and how many homes ``duplicate`` gives a
-    matrix): ``cuda``, an H200-class node (``scheduler.SurplusCostModel()``); ``cpu_gloo``, gloo over CPU ranks
-    (``scheduler.surplus.CPU_GLOO``); ``auto``, ``cuda`` where the lanes run on CUDA streams and ``cpu_gloo``
-    elsewhere. The plan decides which waves exchange how, never the result of a bitwise kind."""
+    cost_model: str = _opt("auto", "OVERLAP_MUON_COST_MODEL",
+                           choices=("auto", "cuda", "cpu_gloo", "h100", "h200", "gb200", "gb300"))
+    """The machine figures the surplus plan (``surplus="auto"``, and how many homes ``duplicate`` gives a matrix)
+    and ``mode="auto"`` weigh: a profile of ``scheduler.surplus_cost.PROFILES`` (``cpu_gloo``: gloo over CPU
+    ranks; ``h100``, ``h200``, ``gb200``, ``gb300``: GPU nodes), ``cuda`` (``h200``), or ``auto``: ``h200`` where
+    the lanes run on CUDA streams and ``cpu_gloo`` elsewhere. The plan decides which waves exchange how, never the
+    result of a bitwise kind."""
     dp_slots: bool = _opt(False, "OVERLAP_MUON_DP_SLOTS", kind=bool)
     """With replicate dims on the mesh (HSDP), the replicas of the dense domain share its NS work instead of each
     running all of it; results are swapped over the DP groups ([Note: DP replicas as NS slots] in

@@ -392,21 +392,27 @@ class DPShared(Exchange):
 @dataclass
 class WaveExchanges:
     """One wave's exchanges: its kind's (``main``), ``local`` for its replicated params ([Note: replicated params]
-    in ``placement.py``) and, with ``mode="gram"``, ``gram`` for the params NS'd over their blocks."""
+    in ``placement.py``), ``gram`` for the params NS'd over their blocks (``mode="gram"``, ``auto``'s Gram picks)
+    and ``gathered`` for ``auto``'s duplicated picks in a routed wave ([Note: NS strategy per weight] in
+    ``scheduler/strategy.py``)."""
 
     main: Exchange
     local: Exchange
     gram: Gram | None = None
+    gathered: Gathered | None = None
+    gathered_params: frozenset[int] = frozenset()
 
     @property
     def ns_shareable(self) -> bool:
         """No NS of the wave issues a collective: another thread may run it ([Note: a waiting thread helps])."""
-        return not any(e is not None and e.ns_collective for e in (self.main, self.local, self.gram))
+        return not any(e is not None and e.ns_collective for e in (self.main, self.local, self.gram, self.gathered))
 
     def legs(self, mps: Sequence[MuonParam], packed: Sequence[Tensor | None]) -> list[Leg]:
         """One leg per exchange that has params among ``mps`` (``packed``: their NS inputs, in ``mps`` order)."""
-        own = self.gram.tall if self.gram is not None else {}
-        split = ((self.main, [j for j, m in enumerate(mps) if not m.replicated and m.index not in own]),
+        own, dup = (self.gram.tall if self.gram is not None else {}), self.gathered_params
+        split = ((self.main, [j for j, m in enumerate(mps) if not m.replicated and m.index not in own
+                              and m.index not in dup]),
+                 (self.gathered, [j for j, m in enumerate(mps) if m.index in dup]),
                  (self.local, [j for j, m in enumerate(mps) if m.replicated]),
                  (self.gram, [j for j, m in enumerate(mps) if m.index in own]))
         return [Leg(e, pos, [mps[j] for j in pos], [packed[j] for j in pos]) for e, pos in split if pos]
@@ -416,7 +422,9 @@ def build_exchange(p: WavePlan, ctx: ExchangeContext, doms: tuple[Domain, Domain
                    ) -> WaveExchanges:
     """The exchanges of one frozen wave plan, on the wave's domain (``doms``: the gather and the scatter lanes')."""
     gram = Gram(ctx, p.wave.index, *doms, dict(p.gram_tall)) if p.gram_tall else None
-    return WaveExchanges(_main_exchange(p, ctx, doms, dp), Local(ctx, p.wave.index, *doms), gram)
+    gathered = Gathered(ctx, p.wave.index, *doms) if p.gathered else None
+    return WaveExchanges(_main_exchange(p, ctx, doms, dp), Local(ctx, p.wave.index, *doms), gram, gathered,
+                         frozenset(p.gathered))
 
 
 def _main_exchange(p: WavePlan, ctx: ExchangeContext, doms: tuple[Domain, Domain], dp: DPSlots | None) -> Exchange:

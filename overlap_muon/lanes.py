@@ -331,6 +331,18 @@ class Lanes:
         self._executors.clear()
 
 
+def flag_to_host(flag: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """``(event, host)``: a 0-d ``flag`` copied without a sync to pinned host memory behind an event recorded on
+    the current stream of its device (``host`` is valid once ``event.query()``); a CPU flag as it is, with ``None``."""
+    if flag.device.type == "cpu":
+        return None, flag
+    host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
+    event = torch.Event(flag.device)
+    event.record(torch.get_device_module(flag.device).current_stream(flag.device))
+    return event, host
+
+
 def _ranged(fn: Callable[[], Any], name: str, nvtx: bool) -> Callable[[], Any]:
     def call() -> Any:
         with prof_range(name, nvtx=nvtx):

@@ -25,9 +25,9 @@ from .clip import clip_grads_by_total_norm_
 from .comm import CommContext
 from .placement import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
-from .gram_mode import gram_orientations
 from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
 from .messages import warn_user
+from .ns_strategy import ns_strategies
 from .overlap_choice import overlap_choice
 from .pipeline import WavePipeline
 from .scheduler import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher
@@ -92,9 +92,10 @@ class Runtime:
         self.dp_size = comm.dp.size if comm.dp is not None else 1
         self.per_node = comm.dom_to.nodes.ranks_per_node if comm.dom_to.nodes else None
         self.index = ParamIndex(muon)
-        self.costs = builder.ns_costs(muon, ns_steps, config.gram_ns)
-        self.gram_ok = gram_orientations(muon, comm.dom_to.remat_size, comm.dom_to.tp_size) \
-            if config.mode == "gram" else None  # [Note: sharded Gram NS] in gram_mode.py
+        self.strategies = ns_strategies(muon, config, comm.dom_to, builder.cost_model(config.cost_model, device.type
+                                        == "cuda"), stats)  # [Note: NS strategy per weight] in scheduler/strategy.py
+        self.costs = [c if config.mode != "auto" or k == "home" else 0.0  # LPT balances the homes' work only
+                      for c, k in zip(builder.ns_costs(muon, ns_steps, config.gram_ns), self.strategies.picks)]
         self.recorder = ReadinessRecorder(len(muon)) if config.readiness_order == "observed" else None
         self.phase = StepPhase.IDLE
         self.backwards = BackwardCount()  # [Note: learned accumulation] in scheduler/dispatch.py
@@ -152,7 +153,7 @@ class Runtime:
         self.order = order
         self.waves, self.wave_plans = builder.plan(order, self.muon, self.costs, self.config, self.sizes,
                                                    self.dp_size, self.pipeline.lanes.cuda, self.per_node,
-                                                   self.gram_ok)
+                                                   self.strategies)
         self.pipeline.set_plans(self.wave_plans)
         self.index.wave_of = {i: w.index for w in self.waves for i in w.params}
         self.dispatcher = WaveDispatcher(self.waves, self._launch)

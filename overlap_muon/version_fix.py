@@ -72,6 +72,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .lanes import flag_to_host
+
 __all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions",
            "install", "installed", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed", "writer_of",
            "end_step", "versions", "host_read_free", "clipped_only", "clip_bit", "snapshot", "edited_since"]
@@ -276,14 +278,7 @@ def _note_device_clip(grads: list[torch.Tensor], before: list[tuple[int, int]], 
         _device_clips[_storage(g)] = (weakref.ref(g), b, versions(g))
     with torch.no_grad():
         bit = (coef < 1.0) | (coef != coef)
-    if bit.device.type == "cpu":
-        _clip_bits.append((None, bit))
-    else:
-        host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        host.copy_(bit, non_blocking=True)
-        event = torch.Event(bit.device)
-        event.record()
-        _clip_bits.append((event, host))
+    _clip_bits.append(flag_to_host(bit))
     clip_bit()  # drop the flags already readable
     del _clip_bits[:-64]  # a bound where nobody asks (the oldest flag unread yet is then never read)
 

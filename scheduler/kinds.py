@@ -36,20 +36,25 @@ class WavePlan:
     """``dp_shared``: the number of replicas sharing the wave (a param's replica is ``home % dp_size``, its home in
     that replica's domain ``home // dp_size``)."""
     gram_tall: tuple[tuple[int, bool], ...] = ()
-    """``mode="gram"``: the wave's params NS'd in Gram space over their blocks, each with whether its rows are split
-    (its Gram is over its columns); the pipeline gives them a leg of their own (``exchanges.Gram``)."""
+    """``mode="gram"`` (or ``auto``'s Gram picks): the wave's params NS'd in Gram space over their blocks, each with
+    whether its rows are split (its Gram is over its columns); the pipeline gives them a leg of their own
+    (``exchanges.Gram``)."""
+    gathered: tuple[int, ...] = ()
+    """``mode="auto"``'s duplicated picks in a ``routed`` wave: every rank gathers them and runs their NS (a leg of
+    their own, ``exchanges.Gathered``)."""
 
     def describe(self) -> tuple:
         """Everything about the plan as plain values, for the cross-rank hash."""
         w = self.wave
         return (w.index, w.domain, w.params, tuple(sorted(w.homes.items())), self.kind, self.dup, self.split_poly,
-                self.dp_size, self.gram_tall)
+                self.dp_size, self.gram_tall, self.gathered)
 
 
 def plan_kinds(
     waves: Sequence[Wave], shapes: Sequence[tuple[int, int]], domain_sizes: Sequence[int], *, mode: str,
     surplus: str, fused: bool, dp_size: int, no_team: set[int] | frozenset[int],
     cost_model: SurplusCostModel | None = None, gram_ok: dict[int, bool] | None = None,
+    duplicated: frozenset[int] = frozenset(),
 ) -> list[WavePlan]:
     """One :class:`WavePlan` per wave.
 
@@ -67,13 +72,15 @@ def plan_kinds(
         cost_model: the machine figures of the surplus plan (``None``: ``SurplusCostModel()``'s).
         gram_ok: ``mode="gram"``: the params whose shards split only their long side, each with whether its rows
             are split: in a dense wave they are NS'd over their blocks (``gram_tall``), beside the wave's other
-            params, which are planned as in ``layer_sharded``.
+            params, which are planned as in ``layer_sharded``. ``mode="auto"``: its Gram picks.
+        duplicated: ``mode="auto"``: its duplicated picks (``gathered`` in their dense waves).
     """
-    if mode == "gram":
+    if mode in ("gram", "auto"):
         plans = plan_kinds(waves, shapes, domain_sizes, mode="layer_sharded", surplus=surplus, fused=fused,
                            dp_size=dp_size, no_team=no_team, cost_model=cost_model)
         ok = gram_ok or {}
-        return [dataclasses.replace(p, gram_tall=tuple((i, ok[i]) for i in p.wave.params if i in ok))
+        return [dataclasses.replace(p, gram_tall=tuple((i, ok[i]) for i in p.wave.params if i in ok),
+                                    gathered=tuple(i for i in p.wave.params if i in duplicated))
                 if p.wave.domain == 0 else p for p in plans]
     if mode == "duplicated":
         return [WavePlan(w, "gathered") for w in waves]

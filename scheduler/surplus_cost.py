@@ -31,7 +31,7 @@ from typing import Sequence
 from .cost import _check_shape, ns_flops
 from .homes import _check_num_ranks
 
-__all__ = ["SurplusCostModel", "CPU_GLOO", "matrix_estimate_s", "team_splits_poly"]
+__all__ = ["SurplusCostModel", "CPU_GLOO", "PROFILES", "matrix_estimate_s", "team_splits_poly"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,9 +60,14 @@ class SurplusCostModel:
     """Largest team / number of duplicate homes of one matrix; ``None``: no cap."""
     dtype_bytes: int = 2
     """Bytes per element on the wire and in the gathers (bf16)."""
+    fp32_flops_per_s: float = 50e12
+    """fp32 matmul rate of one rank, FLOP/s (Gram NS runs in fp32: [Note: NS strategy per weight] in
+    ``strategy.py``)."""
+    home_memory_bytes: float | None = None
+    """Bytes one rank may spend on one whole matrix's NS (input, result, ``m x m`` products); ``None``: no cap."""
 
     def __post_init__(self) -> None:
-        for name in ("ns_flops_per_s", "intra_node_bytes_per_s", "inter_node_bytes_per_s"):
+        for name in ("ns_flops_per_s", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "fp32_flops_per_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"SurplusCostModel.{name} must be a finite number > 0, got {v!r}")
@@ -80,6 +85,9 @@ class SurplusCostModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"SurplusCostModel.{name} must be an int >= 1, got {v!r}")
+        v = self.home_memory_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise ValueError(f"SurplusCostModel.home_memory_bytes must be a number > 0 or None, got {v!r}")
         if self.max_team is not None and (
             isinstance(self.max_team, bool) or not isinstance(self.max_team, int) or self.max_team < 1
         ):
@@ -91,7 +99,21 @@ class SurplusCostModel:
 #: ``ns_flops / 25.4 ms``), gloo's per-collective cost and loopback bandwidth as order-of-magnitude figures, one
 #: "node". The runtime plans CPU jobs with it, CUDA jobs with the H200-class defaults.
 CPU_GLOO = SurplusCostModel(ns_flops_per_s=4.8e11, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9,
-                            ranks_per_node=1 << 20, latency_s=3e-4)
+                            ranks_per_node=1 << 20, latency_s=3e-4, fp32_flops_per_s=1e11)
+
+#: Machine profiles by name (``OverlapMuonConfig.cost_model``; the strategy table of ``overlap_muon.apps.strategies``).
+#: GPU figures are one rank's sustained rates, read off the vendors' spec sheets and derated by hand (about 60-70%
+#: of dense bf16 peak for NS; fp32 without TF32; NVLink per direction; one NIC per GPU): order-of-magnitude planning
+#: figures, not measurements. ``gb200`` / ``gb300``: an NVL72 rack is one NVLink node of 72 GPUs.
+PROFILES: dict[str, SurplusCostModel] = {
+    "cpu_gloo": CPU_GLOO,
+    "h100": SurplusCostModel(ns_flops_per_s=600e12, fp32_flops_per_s=45e12, intra_node_bytes_per_s=370e9),
+    "h200": SurplusCostModel(),
+    "gb200": SurplusCostModel(ns_flops_per_s=1.4e15, fp32_flops_per_s=60e12, intra_node_bytes_per_s=800e9,
+                              ranks_per_node=72),
+    "gb300": SurplusCostModel(ns_flops_per_s=1.6e15, fp32_flops_per_s=60e12, intra_node_bytes_per_s=800e9,
+                              inter_node_bytes_per_s=100e9, ranks_per_node=72),
+}
 
 
 def _link_s(intra: float, inter: float, cm: SurplusCostModel) -> float:

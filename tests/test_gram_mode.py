@@ -118,8 +118,17 @@ def _runtime_body(rank: int, world: int, overlap: bool, k: int) -> tuple[list[fl
         w.partition_dim, w.full_shape = pd, shape
         setattr(net, n, w)
         ref[n] = nn.Parameter(fulls[n].clone())
+    from overlap_muon import gram_mode
+
     opt = OverlapMuon(net, muon_filter=lambda n, p: True, tp_group=tp, mode="gram", gram_restart_every=k,
                       overlap=overlap, auto_overlap=False, **HP)
+    formed, real = [0], gram_mode._gram
+
+    def counted(x, group):  # one Gram all-reduce per call
+        formed[0] += group is not None
+        return real(x, group)
+
+    gram_mode._gram = counted
     mu = torch.optim.Muon(list(ref.values()), **HP)
     for s in range(3):
         g = torch.Generator().manual_seed(100 + s)
@@ -140,7 +149,8 @@ def _runtime_body(rank: int, world: int, overlap: bool, k: int) -> tuple[list[fl
         diffs.append(float((getattr(net, n).detach() - want).abs().max()))
         bounds.append(3 * HP["lr"] * max(1.0, shape[0] / shape[1]) ** 0.5 * 2 ** -7)
     kinds = sorted({"gram" for p in opt._rt.wave_plans if p.gram_tall} | {p.kind for p in opt._rt.wave_plans})
-    stats = dict(opt.stats)
+    stats = dict(opt.stats, gram_all_reduces=formed[0])
+    gram_mode._gram = real
     opt.close()
     return diffs, bounds, stats, kinds
 
@@ -150,8 +160,10 @@ def _runtime_body(rank: int, world: int, overlap: bool, k: int) -> tuple[list[fl
                                                                            "sync_refresh4"])
 def test_runtime_gram_mode_within_its_bound(overlap, k):
     """``mode="gram"``: the Gram waves within ``lr * ratio * 2**-7`` per step of torch's result (two bf16 ulps of
-    update entries below 1, as the team NS bound); the wide matrix split by rows stays layer-sharded and bitwise."""
+    update entries below 1, as the team NS bound); the wide matrix split by rows stays layer-sharded and bitwise;
+    each Gram matrix's NS all-reduces its Gram ``ceil(ns_steps / k)`` times a step."""
     for diffs, bounds, stats, kinds in run_ranks(_runtime_body, 2, overlap, k, timeout=100):
         assert "gram" in kinds and "routed" in kinds, kinds
         assert diffs[0] <= bounds[0] and diffs[1] <= bounds[1], (diffs, bounds)
         assert diffs[2] == 0.0, diffs
+        assert stats["gram_all_reduces"] == 2 * 3 * gram_collectives(5, k), stats  # 2 matrices, 3 steps

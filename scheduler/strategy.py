@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from .cost import _check_shape, ns_flops
 from .surplus_cost import SurplusCostModel
 
-__all__ = ["STRATEGIES", "StrategyCosts", "strategy_costs", "pick_strategies"]
+__all__ = ["STRATEGIES", "StrategyCosts", "strategy_costs", "pick_strategies", "step_estimate"]
 
 #: The strategies, in tie-break order.
 STRATEGIES = ("home", "duplicated", "gram")
@@ -136,9 +136,10 @@ def pick_strategies(shapes: Sequence[tuple[int, int]], S: int, cm: SurplusCostMo
     def estimate(shared: float, total: float, top: float) -> float:
         return shared + max(total / S, top)
 
+    kept = 0.0  # the largest home load of the weights visited that stayed home
     for k, i in enumerate(homes):
         c = costs[i]
-        top_after = next((own[j] for j in homes[k + 1:] if picks[j] == "home"), 0.0)
+        top_after = max(kept, own[homes[k + 1]] if k + 1 < len(homes) else 0.0)
         now = estimate(shared, total, max(own[i], top_after))
         best, best_t = "home", now
         for name, extra in (("duplicated", c.duplicated), ("gram", c.gram)):
@@ -150,4 +151,25 @@ def pick_strategies(shapes: Sequence[tuple[int, int]], S: int, cm: SurplusCostMo
             picks[i] = best
             shared += getattr(c, best) - c.home_others
             total -= own[i]
+        else:
+            kept = max(kept, own[i])
     return picks
+
+
+def step_estimate(shapes: Sequence[tuple[int, int]], S: int, cm: SurplusCostModel, picks: Sequence[str], *,
+                  restart_every: int = 5) -> float | None:
+    """The step estimate of [Note: NS strategy per weight] for ``picks`` (seconds), ``None`` where a pick cannot
+    run its weight (a Gram larger than the shard; a home that does not fit takes the estimate anyway)."""
+    shared = total = top = 0.0
+    for sh, k in zip(shapes, picks):
+        c = strategy_costs(tuple(sh), S, cm, restart_every=restart_every, gram_ok=k == "gram")
+        if k == "home":
+            shared += c.home_others
+            total += c.home - c.home_others
+            top = max(top, c.home - c.home_others)
+        else:
+            extra = getattr(c, k)
+            if extra is None:
+                return None
+            shared += extra
+    return shared + max(total / S, top)

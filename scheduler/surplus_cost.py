@@ -94,12 +94,12 @@ class SurplusCostModel:
             raise ValueError(f"SurplusCostModel.max_team must be an int >= 1 or None, got {self.max_team!r}")
 
 
-#: A CPU rank on gloo over loopback: the NS rate one rank of this project's test machine measured (Intel Xeon with
-#: AMX bf16, one thread: NS of 512x2048 in 25.4 ms, ``overlap-muon-bench --cases surplus --quick``, i.e.
-#: ``ns_flops / 25.4 ms``), gloo's per-collective cost and loopback bandwidth as order-of-magnitude figures, one
-#: "node". The runtime plans CPU jobs with it, CUDA jobs with the H200-class defaults.
-CPU_GLOO = SurplusCostModel(ns_flops_per_s=4.8e11, intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9,
-                            ranks_per_node=1 << 20, latency_s=3e-4, fp32_flops_per_s=1e11)
+#: A CPU rank on gloo over loopback, one "node": this project's test machine (2 cores of an AMD EPYC with
+#: avx512_bf16), measured by ``python -m overlap_muon.apps.strategies --measure`` (one thread's NS of 512 x 2048 and
+#: fp32 matmul, gloo's 1-element all-reduce and 8 MiB all-to-all between two ranks; rounded). The runtime plans CPU
+#: jobs with it, CUDA jobs with the H200-class defaults.
+CPU_GLOO = SurplusCostModel(ns_flops_per_s=2.0e11, intra_node_bytes_per_s=1.4e9, inter_node_bytes_per_s=1.4e9,
+                            ranks_per_node=1 << 20, latency_s=2.5e-4, fp32_flops_per_s=9.5e10)
 
 #: Machine profiles by name (``OverlapMuonConfig.cost_model``; the strategy table of ``overlap_muon.apps.strategies``).
 #: GPU figures are one rank's sustained rates, read off the vendors' spec sheets and derated by hand (about 60-70%

@@ -183,7 +183,7 @@ def test_superseded_launches_never_read_as_more_reruns_than_waves():
     assert "6 of 6 waves re-ran in step()" in said[1], said
 
 
-def _clip_run(how: str, steps: int = 5, bite_until: int = 99, **kw):
+def _clip_run(how: str, steps: int = 5, bite_until: int = 99, before_clip=None, **kw):
     """Clip every step by ``max_grad_norm`` (``how="max_grad_norm"``) or by the user's ``clip_grad_norm_`` between
     backward and ``step()``; the bound bites for steps ``< bite_until`` and not after. Returns the first differing
     step, NS matrices per step, the Muon matrix count and the optimizer's stats."""
@@ -207,6 +207,8 @@ def _clip_run(how: str, steps: int = 5, bite_until: int = 99, **kw):
             m(x).pow(2).mean().backward()
             if m is model:
                 speculated.append(opt.stats["waves_launched"] > launched)  # launched in backward
+                if before_clip is not None:
+                    before_clip(opt)
             if how == "user" or m is ref:
                 torch.nn.utils.clip_grad_norm_(m.parameters(), bound)
             for o in opts:
@@ -244,8 +246,14 @@ def test_user_clip_on_a_device_reads_no_coefficient(monkeypatch, content_check):
     bite re-runs nothing. Without the content check every clipped wave re-runs (exact, slower)."""
     from overlap_muon import version_fix
 
+    def packs_done(opt):  # a pack that ran after the clip read the clipped bytes: no re-run, and no hold after it
+        for st in list(opt._rt.pipeline._pending.values()):
+            if st.h_pack is not None:
+                st.h_pack.settle()
+
     monkeypatch.setattr(version_fix, "host_read_free", lambda device: False)
-    bad, ns, mats, stats, speculated = _clip_run("user", steps=6, bite_until=3, content_check=content_check)
+    bad, ns, mats, stats, speculated = _clip_run("user", steps=6, bite_until=3, before_clip=packs_done,
+                                                 content_check=content_check)
     assert not bad, bad
     if content_check:
         assert speculated == [True, False, False, False, True, True], speculated

@@ -84,9 +84,10 @@ def test_boolean_toggles(var):
 def test_cost_model_is_a_visible_choice():
     """The surplus plan's machine figures are a config field: ``auto`` follows the lanes (CUDA streams or not), a
     named one holds on any device, anything else is an error naming the variable."""
-    from overlap_muon.builder import _cost_model
+    from overlap_muon.builder import cost_model as _cost_model
     from overlap_muon.scheduler import SurplusCostModel
     from overlap_muon.scheduler.surplus import CPU_GLOO
+    from overlap_muon.scheduler.surplus_cost import PROFILES
 
     assert resolve_config({}).cost_model == "auto"
     assert resolve_config({"OVERLAP_MUON_COST_MODEL": "cuda"}).cost_model == "cuda"
@@ -94,6 +95,8 @@ def test_cost_model_is_a_visible_choice():
         resolve_config({"OVERLAP_MUON_COST_MODEL": "tpu"})
     assert _cost_model("auto", cuda=False) is CPU_GLOO and _cost_model("cpu_gloo", cuda=True) is CPU_GLOO
     assert _cost_model("auto", cuda=True) == SurplusCostModel() == _cost_model("cuda", cuda=False)
+    assert _cost_model("gb300", cuda=False) is PROFILES["gb300"]
+    assert resolve_config({"OVERLAP_MUON_COST_MODEL": "h100"}).cost_model == "h100"
 
 
 def test_mode_balance_slots_timeout_toggles():

@@ -121,3 +121,16 @@ def test_auto_gram_picks_only_when_allowed():
         for d, shape in zip(diffs[:2], [(96, 160), (160, 96)]):
             assert d <= 3 * HP["lr"] * max(1.0, shape[0] / shape[1]) ** 0.5 * 2 ** -7, diffs
         assert diffs[2:] == [0.0, 0.0], diffs
+
+
+def test_strategy_table_auto_never_above_its_baseline():
+    """The simulator's strategy table (``apps/strategies.py``): ``auto`` (exact or not) never estimates more than
+    every weight at its home, and its picks cover every weight of the layout."""
+    from overlap_muon.apps.strategies import layouts, table_rows
+
+    for gb300 in (False, True):
+        rows = table_rows(PROFILES["gb300"], gb300)
+        assert len(rows) == len(layouts(gb300))
+        for r in rows:
+            assert r["auto_inexact"] <= r["auto"] <= r["home"], r
+            assert sum(r["picks"]["auto"].values()) == sum(r["picks"]["auto_inexact"].values()), r

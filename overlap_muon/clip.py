@@ -9,8 +9,10 @@ the gradients only when clipping bites; the multiplication moves their version c
 waves are re-run (``WavePipeline.commit``). Multiplying by a clamped coefficient of exactly 1.0 changes no bit, so
 skipping it is exact. We keep (b): it sends no extra bytes, costs nothing on the steps where clipping does not bite
 (in LLM training the norm exceeds the bound mostly early on), and is exact by construction because it runs
-torch's own arithmetic. Its cost: the steps that clip lose their overlap (measured in the ``overlap`` bench case),
-and the decision reads one scalar on the host (on CUDA a sync once per step, only with ``max_grad_norm`` set).
+torch's own arithmetic. Its cost: the steps that clip lose their overlap (measured in the ``overlap`` bench case).
+On CPU the decision reads one scalar on the host; on CUDA nothing is read: the gradients are always multiplied and
+the waves' content check tells a coefficient of exactly 1.0 ([Note: a clip that does not bite] in
+``version_fix.py``).
 Where clipping bites step after step, the runtime stops speculating after the first such step and launches the
 waves in ``step()``, after the clip ([Note: learned clipping] in ``scheduler/dispatch.py``).
 """
@@ -22,17 +24,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .lanes import flag_to_host
 from .placement import local_tensor
+from .version_fix import host_read_free, note_device_clip, versions
 
 try:
     from torch.distributed.tensor import DTensor
 except Exception:  # pragma: no cover
     DTensor = ()  # type: ignore[assignment]
 
-__all__ = ["clip_grads_by_total_norm_"]
+__all__ = ["clip_grads_by_total_norm_", "ClipCount"]
 
 
-def clip_grads_by_total_norm_(grads: Sequence[Tensor], max_norm: float) -> tuple[Tensor, bool]:
+def clip_grads_by_total_norm_(grads: Sequence[Tensor], max_norm: float) -> tuple[Tensor, bool | Tensor]:
     """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))``, as ``clip_grad_norm_`` does.
 
     The arithmetic is ``torch.nn.utils.get_total_norm`` + ``clip_grads_with_norm_`` (torch 2.13, non-foreach
@@ -47,7 +51,10 @@ def clip_grads_by_total_norm_(grads: Sequence[Tensor], max_norm: float) -> tuple
 
     Returns:
         ``(total_norm, clipped)``: the 0-d float total norm (before clipping) and whether the gradients were
-        scaled (False when the coefficient is exactly 1.0: no bit would change).
+        scaled (False when the coefficient is exactly 1.0: no bit would change). On a device (CUDA) the
+        coefficient is not read: the gradients are always multiplied (by exactly 1.0 where it does not bite: same
+        bits; the waves' content check sees it, [Note: a clip that does not bite] in ``version_fix.py``) and
+        ``clipped`` is a 0-d bool tensor on the device (:class:`ClipCount` counts it once readable).
     """
     if not grads:
         return torch.zeros(()), False
@@ -56,8 +63,32 @@ def clip_grads_by_total_norm_(grads: Sequence[Tensor], max_norm: float) -> tuple
     device = norms[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if bool(coef == 1.0):  # [Note: clipping and speculative waves]: the one host read
+    on_host = host_read_free(coef.device)
+    if on_host and bool(coef == 1.0):  # [Note: clipping and speculative waves]: the one host read (CPU)
         return total, False
+    before = [versions(g) for g in grads]
     for g in grads:
         local_tensor(g).mul_(coef.to(g.device))
-    return total, True
+    if on_host:
+        return total, True
+    note_device_clip(list(grads), before, coef)
+    return total, (coef < 1.0) | coef.isnan()
+
+
+class ClipCount:
+    """Counts the steps whose clip bit, without a host sync: a device flag is counted once the copy that carries
+    it to the host has completed (``lanes.flag_to_host``), a step or more later."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[object, Tensor]] = []
+
+    def add(self, clipped: bool | Tensor) -> int:
+        """Take this step's ``clipped``; returns how many steps' flags are now known to have bitten."""
+        if isinstance(clipped, Tensor):
+            self._pending.append(flag_to_host(clipped))
+            n = 0
+        else:
+            n = int(clipped)
+        while self._pending and (self._pending[0][0] is None or self._pending[0][0].query()):
+            n += bool(self._pending.pop(0)[1])
+        return n

@@ -96,8 +96,9 @@ class OverlapMuon(torch.optim.Optimizer):
             and its expert domain (``1 x ETP``; ``1 x 1`` without one); ``domain.nodes``: the two-hop groups where
             the exchanges run node-aware (``node_exchange``), else ``None``.
         stats: counters: ``ns_matrices`` (NS'd on this rank), ``ns_calls``, ``waves_launched``, ``reruns`` (inputs
-            changed), ``held_backwards`` (launched nothing), ``steps``, ``skipped_steps``, ``clipped_steps``,
-            ``warm_up_collectives`` (run at construction, ``warm_up``).
+            changed), ``held_backwards`` (launched nothing), ``steps``, ``skipped_steps``, ``clipped_steps`` (on
+            CUDA counted once the flag has reached the host, a step or more later: no sync), ``warm_up_collectives``
+            (run at construction, ``warm_up``), ``strategy.*`` (``mode="auto"``'s picks).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.

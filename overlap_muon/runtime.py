@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from . import builder, version_fix
 from .agreement import Agreement
 from .checks import check_plan_everywhere
-from .clip import clip_grads_by_total_norm_
+from .clip import ClipCount, clip_grads_by_total_norm_
 from .comm import CommContext
 from .placement import local_tensor
 from .forward_waits import ForwardWaits, ParamIndex
@@ -103,6 +103,7 @@ class Runtime:
         self.edits = LearnedEdits(lambda: version_fix.snapshot(grads()),  # [Note: learned clipping] in dispatch.py
                                   lambda then: version_fix.edited_since(then, grads()))
         self._warned_capture = False
+        self.clips = ClipCount()  # max_grad_norm's steps that clipped, read without a sync
         self.ddp_copies = False  # an attached DDP without gradient_as_bucket_view ([Note: DDP readiness])
         self.fixed = [False]  # whether this optimizer holds the version fix (``hook``)
         # [Note: overlap where it pays] in overlap_choice.py
@@ -280,7 +281,7 @@ class Runtime:
         norm = None
         if max_grad_norm is not None and ok:
             norm, clipped = clip_grads_by_total_norm_([p.grad for p in params if p.grad is not None], max_grad_norm)
-            self.pipeline.stats["clipped_steps"] += clipped
+            self.pipeline.stats["clipped_steps"] += self.clips.add(clipped)
         self.pipeline.stats["skipped_steps"] += not ok
         return ok, norm
 

@@ -76,7 +76,8 @@ from .lanes import flag_to_host
 
 __all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions",
            "install", "installed", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed", "writer_of",
-           "end_step", "versions", "host_read_free", "clipped_only", "clip_bit", "snapshot", "edited_since"]
+           "end_step", "versions", "host_read_free", "note_device_clip", "clipped_only", "clip_bit", "snapshot",
+           "edited_since"]
 
 logger = logging.getLogger("overlap_muon")
 
@@ -257,7 +258,7 @@ def _skipping_unit_clip(fn: Callable[..., Any]) -> Callable[..., Any]:
         before = [versions(g) for g in grads]
         out = fn(parameters, max_norm, total_norm, foreach)
         if not on_host:
-            _note_device_clip(grads, before, coef)
+            note_device_clip(grads, before, coef)
         _note_writer("clip_grad_norm_", grads)
         return out
 
@@ -265,7 +266,7 @@ def _skipping_unit_clip(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _note_device_clip(grads: list[torch.Tensor], before: list[tuple[int, int]], coef: torch.Tensor) -> None:
+def note_device_clip(grads: list[torch.Tensor], before: list[tuple[int, int]], coef: torch.Tensor) -> None:
     """Record a device clip: each gradient's versions around it (chained with an earlier clip of the step that
     left them as they were), and whether it bit, copied to the host behind an event. Records outlive the step (a
     later optimizer's commit reads them); a write since makes them no match, and the dead ones are dropped here."""

@@ -172,8 +172,8 @@ def sync_debug(device: torch.device, small: bool, out: str) -> dict:
     """Steps 2-4 of the default and ``async_step`` loops under ``set_sync_debug_mode``: with ``content_check=False``
     in ``"error"`` mode (no host sync anywhere); the default counted in ``"warn"`` mode (its content check reads
     one flag per step on the host, [Note: content fingerprints] in ``overlap_muon/wave_state.py``); each also with a
-    user ``clip_grad_norm_`` that does not bite between backward and ``step()`` (its wrapper reads nothing on the
-    host: [Note: a clip that does not bite] in ``overlap_muon/version_fix.py``)."""
+    user ``clip_grad_norm_`` that does not bite between backward and ``step()``, and with ``max_grad_norm`` (neither
+    reads its coefficient on the host: [Note: a clip that does not bite] in ``overlap_muon/version_fix.py``)."""
     if _cuda_only(device):
         return _cuda_only(device)
     d, layers, x = _inputs(device, small, 1024, 64)
@@ -181,6 +181,8 @@ def sync_debug(device: torch.device, small: bool, out: str) -> dict:
     for name, kw, mode, clip in (("default_unchecked", dict(content_check=False), "error", None),
                                  ("async_step_unchecked", dict(content_check=False, async_step=True), "error", None),
                                  ("user_clip_unchecked", dict(content_check=False), "error", 1e6),
+                                 ("max_grad_norm_unchecked", dict(content_check=False, max_grad_norm=1e6), "error",
+                                  None),
                                  ("default", {}, "warn", None), ("user_clip", {}, "warn", 1e6)):
         net = _net(d, layers, device)
         opt = OverlapMuon(net, overlap=True, auto_overlap=False, **kw, **HP)

@@ -236,15 +236,17 @@ def test_learned_clipping(how):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["user", "max_grad_norm"])
 @pytest.mark.parametrize("content_check", [True, False])
-def test_user_clip_on_a_device_reads_no_coefficient(monkeypatch, content_check):
+def test_clip_on_a_device_reads_no_coefficient(monkeypatch, how, content_check):
     """Bug: the process-wide wrapper of ``clip_grads_with_norm_`` read the clip coefficient on the host in every
-    user clip (on CUDA a sync per ``clip_grad_norm_`` call, also in loops without OverlapMuon). Now, where that read
-    is not free ([Note: a clip that does not bite] in ``version_fix.py``; CPU patched to act as a device here),
-    torch multiplies as always; the waves the clip moved are judged by their content fingerprints, and held steps
-    by the clip's flag read behind an event. Same bits, same schedule as with the host read: a clip that does not
-    bite re-runs nothing. Without the content check every clipped wave re-runs (exact, slower)."""
-    from overlap_muon import version_fix
+    user clip (on CUDA a sync per ``clip_grad_norm_`` call, also in loops without OverlapMuon), and so did
+    ``max_grad_norm`` in every step. Now, where that read is not free ([Note: a clip that does not bite] in
+    ``version_fix.py``; CPU patched to act as a device here), the gradients are multiplied as always; the waves the
+    clip moved are judged by their content fingerprints, and held steps by the clip's flag read behind an event.
+    Same bits, same schedule as with the host read: a clip that does not bite re-runs nothing. Without the content
+    check every clipped wave re-runs (exact, slower)."""
+    from overlap_muon import clip, version_fix
 
     def packs_done(opt):  # a pack that ran after the clip read the clipped bytes: no re-run, and no hold after it
         for st in list(opt._rt.pipeline._pending.values()):
@@ -252,8 +254,10 @@ def test_user_clip_on_a_device_reads_no_coefficient(monkeypatch, content_check):
                 st.h_pack.settle()
 
     monkeypatch.setattr(version_fix, "host_read_free", lambda device: False)
-    bad, ns, mats, stats, speculated = _clip_run("user", steps=6, bite_until=3, before_clip=packs_done,
+    monkeypatch.setattr(clip, "host_read_free", lambda device: False)
+    bad, ns, mats, stats, speculated = _clip_run(how, steps=6, bite_until=3, before_clip=packs_done,
                                                  content_check=content_check)
+    assert how == "user" or stats["clipped_steps"] == 3, stats
     assert not bad, bad
     if content_check:
         assert speculated == [True, False, False, False, True, True], speculated

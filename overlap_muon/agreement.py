@@ -133,6 +133,14 @@ class Agreement:
         self._agree(flags, self.ctrl_group, lambda: [])
         return bool(flags[0])
 
+    def broadcast_order(self, order: list[int], src: int) -> list[int]:
+        """The readiness ``order`` rank ``src`` observed (the stage's first rank; rank 0 without stages), on every
+        rank: ranks can observe different orders, and every rank must plan the same waves."""
+        box = [order]
+        if self.ctrl_group is not None:
+            dist.broadcast_object_list(box, src=src, group=self.ctrl_group)
+        return list(box[0])
+
     def adamw_elsewhere(self) -> set[int]:
         """``id``s of the AdamW params that had a gradient on another rank and not on this one at the last step's
         agreement ([Note: lazy state] in ``state.py``); read once."""

@@ -102,10 +102,10 @@ class ParamBinding:
         self.runtime = Runtime(placed.muon, self.config, opt.stats, opt._state, lambda: ref().param_groups, comm,
                                opt.defaults["ns_steps"])
         self.qk = builder.qk_clipper(self.qk_spec, self.model, placed, comm, self.rank, self.config)
-        self.finalizer = self.runtime.hook(opt, self.model, weak_callback(self._sync_hook))
+        self.finalizer = self.runtime.wiring.hook(opt, self.model, weak_callback(self._sync_hook))
         if self.config.overlap and self._ddp is None:  # a DDP wrapped around the model later is attached
             self._watch = watch_for_ddp(self.model, weak_callback(self._found_ddp))
-            self.runtime.handles.append(self._watch)
+            self.runtime.wiring.handles.append(self._watch)
         self._bound = self._snapshot()
 
     def stop_watch(self) -> None:
@@ -140,7 +140,7 @@ class ParamBinding:
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"attach_ddp expects a DistributedDataParallel, got {type(ddp_model).__name__}")
         self._ddp = weakref.ref(ddp_model)
-        self.runtime.attach_ddp(ddp_model)
+        self.runtime.wiring.attach_ddp(ddp_model)
 
     def attach_pipeline_stage(self, stage: Any) -> None:
         """Readiness from a pipelining stage, kept across re-binding.
@@ -152,7 +152,7 @@ class ParamBinding:
             raise TypeError(f"attach_pipeline_stage expects a torch.distributed.pipelining stage, got "
                             f"{type(stage).__name__}")
         self._stages.append(weakref.ref(stage))
-        self.runtime.attach_pipeline_stage(stage)
+        self.runtime.wiring.attach_pipeline_stage(stage)
 
     def follow(self) -> bool:
         """Re-bind when the params were replaced ([Note: following the param groups]); returns whether it did.
@@ -196,10 +196,10 @@ class ParamBinding:
     def _reattach(self) -> None:
         ddp = self._ddp() if self._ddp is not None else None
         if ddp is not None:
-            self.runtime.attach_ddp(ddp)
+            self.runtime.wiring.attach_ddp(ddp)
         for stage in [ref() for ref in self._stages]:
             if stage is not None:
-                self.runtime.attach_pipeline_stage(stage)
+                self.runtime.wiring.attach_pipeline_stage(stage)
 
 
 # [Note: following the param groups]: the re-binding's pieces.

@@ -312,7 +312,7 @@ class Lanes:
 
     def refuse_capture(self, what: str) -> None:
         """Raise a ``RuntimeError`` saying ``what`` (why it cannot run captured, and the fix) when the current
-        stream is capturing a CUDA graph ([Note: CUDA graph capture] in ``runtime.py``): an event query or a wait on
+        stream is capturing a CUDA graph ([Note: CUDA graph capture] in ``wiring.py``): an event query or a wait on
         an event recorded outside the capture would invalidate it, and a replay would run none of it."""
         if self.capturing():
             raise RuntimeError(f"OverlapMuon: {what}")

@@ -255,7 +255,7 @@ class OverlapMuon(torch.optim.Optimizer):
             if self._adamw is not None and ok:
                 self._adamw.param_groups = self.param_groups[1:]  # the dicts param_groups holds now (replaceable)
                 self._adamw.step()
-                init_adamw_state(self.param_groups[1:], self._state, self._rt.adamw_elsewhere())
+                init_adamw_state(self.param_groups[1:], self._state, self._rt.agreement.adamw_elsewhere())
             self._rt.finish()
             qk = self._binding.qk
             if qk is not None and ok:  # [Note: QK-clip]: on the landed updates

@@ -22,6 +22,7 @@ mode stays).
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -120,11 +121,30 @@ class OverlapChoice:
         return self.result
 
 
-def overlap_choice(config: Any, async_step: bool, event: Callable[[], Any] | None) -> OverlapChoice | None:
+    def after_step(self, group: Any, switch: Callable[[bool], None], unhook: Callable[[], None],
+                   stats: dict[str, int]) -> None:
+        """A step ended: ``switch`` to the next trial iteration's mode, then, once every rank's times are in, to the
+        agreed one for good (off: ``unhook`` drops what the overlap alone needs), kept in ``stats``."""
+        trial = self.mode_for_next()
+        if trial is not None:
+            switch(trial)
+        agreed = self.agreed(group)
+        if agreed is None:
+            return
+        on, off = agreed
+        switch(on <= off)
+        if on > off:
+            unhook()
+        stats["overlap_auto_on_us"], stats["overlap_auto_off_us"] = round(on * 1e6), round(off * 1e6)
+        stats["overlap_auto_chose_on"] = int(on <= off)
+
+
+def overlap_choice(config: Any, async_step: bool, lanes: Any) -> OverlapChoice | None:
     """The trial of ``config.auto_overlap`` (on by default), or ``None`` where it does not run: without the
     option, or where another option decides the mode (``overlap=False``, ``async_step=True``, ``wave_slots``, or
     an ``overlap=True`` the user set while ``auto_overlap`` is the default). Where the user set ``auto_overlap``
-    too, one warning at construction names the option that wins."""
+    too, one warning at construction names the option that wins. ``lanes``: the runtime's (on CUDA the trial
+    times with events on the current stream)."""
     if not config.auto_overlap:
         return None
     chosen = config.sources.get("auto_overlap", "default") != "default"
@@ -136,5 +156,5 @@ def overlap_choice(config: Any, async_step: bool, event: Callable[[], Any] | Non
             warn_user(f"OverlapMuon: auto_overlap=True does not combine with {wins}, which wins: no trial runs and "
                       f"the mode stays as {wins} sets it")
         return None
-    return OverlapChoice(event)
+    return OverlapChoice(functools.partial(lanes.current_stream_event, timing=True) if lanes.cuda else None)
 

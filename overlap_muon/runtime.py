@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import builder, version_fix
@@ -24,22 +21,15 @@ from .checks import check_plan_everywhere
 from .clip import ClipCount, clip_grads_by_total_norm_
 from .comm import CommContext
 from .placement import local_tensor
-from .forward_waits import ForwardWaits, ParamIndex
-from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
-from .messages import warn_user
+from .forward_waits import ParamIndex
 from .ns_strategy import ns_strategies
 from .overlap_choice import overlap_choice
 from .pipeline import WavePipeline
 from .scheduler import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher
 from .wave_state import Hyper
+from .wiring import Wiring
 
 __all__ = ["Runtime", "StepPhase"]
-
-try:
-    from torch.distributed.tensor import DTensor
-except Exception:  # pragma: no cover
-    DTensor = ()  # type: ignore[assignment]
-
 
 class StepPhase(enum.Enum):
     """Where an ``OverlapMuon`` is in the training step (as FSDP2's ``TrainingState``)."""
@@ -53,16 +43,6 @@ class StepPhase(enum.Enum):
     SYNC_STEP = enum.auto()
     """Inside a synchronous ``step()`` after its gradient-presence agreement: launched waves commit their momentum
     as they pack (nothing can make them stale)."""
-
-
-def _remove_all(handles: list, pipeline: WavePipeline, fixed: list[bool]) -> None:
-    """Finalizer of an OverlapMuon (``close()`` or garbage collection): unhook, stop the lane threads, and give
-    back the version fix (the last overlap optimizer removes it)."""
-    for h in handles:
-        h.remove()
-    pipeline.close()
-    if fixed[0]:
-        version_fix.release()
 
 
 class Runtime:
@@ -102,17 +82,9 @@ class Runtime:
         grads = lambda: [m.param.grad for m in muon]  # noqa: E731
         self.edits = LearnedEdits(lambda: version_fix.snapshot(grads()),  # [Note: learned clipping] in dispatch.py
                                   lambda then: version_fix.edited_since(then, grads()))
-        self._warned_capture = False
         self.clips = ClipCount()  # max_grad_norm's steps that clipped, read without a sync
-        self.ddp_copies = False  # an attached DDP without gradient_as_bucket_view ([Note: DDP readiness])
-        self.fixed = [False]  # whether this optimizer holds the version fix (``hook``)
-        # [Note: overlap where it pays] in overlap_choice.py
-        lanes = self.pipeline.lanes
-        event = functools.partial(lanes.current_stream_event, timing=True) if lanes.cuda else None
-        self.choice = overlap_choice(config, self.async_step, event)
-        self.handles: list[Any] = []
-        self.tracker: GradReadyTracker | None = None
-        self.waits: ForwardWaits | None = None
+        self.choice = overlap_choice(config, self.async_step, self.pipeline.lanes)  # [Note: overlap where it pays]
+        self.wiring = Wiring(self)  # where readiness comes from, the forward waits, the version fix
         self.plan_waves(list(reversed(range(len(muon)))))
         self.stage_root = comm.stage_root
         check_plan_everywhere(muon, self.waves, [p.describe() for p in self.wave_plans], comm.stages)
@@ -139,14 +111,10 @@ class Runtime:
         """The optimizer's state mapping was replaced: the waves read and create momentum in ``state`` from now."""
         self.pipeline.state = state
 
-    def adamw_elsewhere(self) -> set[int]:
-        """The AdamW params that had a gradient on another rank only (``Agreement.adamw_elsewhere``)."""
-        return self.agreement.adamw_elsewhere()
-
     def register_wait(self, module: nn.Module, params: Any) -> None:
         """``async_step``: ``module``'s forward waits for ``params``' updates (nothing to do otherwise)."""
-        if self.waits is not None:
-            self.waits.register_wait(module, params)
+        if self.wiring.waits is not None:
+            self.wiring.waits.register_wait(module, params)
 
     def plan_waves(self, order: list[int]) -> None:
         """Plan the waves for a gradient-ready ``order`` (``builder.plan``); hand their frozen plans to the
@@ -159,53 +127,6 @@ class Runtime:
         self.index.wave_of = {i: w.index for w in self.waves for i in w.params}
         self.dispatcher = WaveDispatcher(self.waves, self._launch)
 
-    def hook(self, owner: Any, model: nn.Module, sync_hook: Callable[..., None]) -> weakref.finalize:
-        """Gradient-ready hooks (overlap mode), ``async_step``'s forward waits, the ``state_dict`` wait, the version
-        fix; returns the finalizer of ``owner`` that undoes them."""
-        if self.config.overlap and self.muon:
-            self.tracker = GradReadyTracker([m.param for m in self.muon], weak_callback(self.on_ready),
-                                            on_backward_end=weak_callback(self.on_backward_end),
-                                            settle=self.backwards.accumulating)
-            self.handles.append(self.tracker)
-            if self.async_step:  # [Note: the step barrier]: only the asynchronous step needs forward waits
-                self.waits = ForwardWaits(model, self.muon, self.index, self.pipeline, self.handles)
-        # A submodule's state_dict() runs its own pre-hooks only: hook each module that holds a Muon param.
-        mine = {id(m.param) for m in self.muon}
-        self.handles += [mod.register_state_dict_pre_hook(sync_hook) for mod in model.modules()
-                         if mod is model or any(id(p) in mine for p in mod.parameters(recurse=False))]
-        self.fixed[0] = self.config.overlap  # the version fix is this optimizer's to give back (_remove_all)
-        if self.config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
-            dtensors = [m.param for m in self.muon if isinstance(m.param, DTensor)]
-            version_fix.acquire(dtensors[0].device_mesh if dtensors else None)
-        return weakref.finalize(owner, _remove_all, self.handles, self.pipeline, self.fixed)
-
-    def attach_ddp(self, ddp_model: nn.Module) -> None:
-        """Readiness from DDP's comm hook instead of the per-param hooks (``OverlapMuon.attach_ddp``)."""
-        if not self.config.overlap or not self.muon:
-            return
-        if self.tracker is not None:  # per-param hooks would read the gradients before DDP's reduction
-            self.tracker.remove()
-            self.tracker = None
-        on_ready = weak_callback(self.on_ready)
-        self.ddp_copies = not getattr(ddp_model, "gradient_as_bucket_view", True)  # [Note: DDP readiness]
-        if not attach_ddp_readiness(ddp_model, lambda idx: [on_ready(i) for i in idx], dict(self.index.first),
-                                    weak_callback(self.on_ddp_backward_end)):
-            warn_user("OverlapMuon: this DDP model already has a comm hook (DDP takes one), so the waves launch in "
-                      "step() and nothing overlaps; register your comm hook after OverlapMuon(ddp_model), which "
-                      "chains it, to keep the overlap")
-
-    def attach_pipeline_stage(self, stage: Any) -> None:
-        """Readiness from a pipelining stage, once its gradients are final ([Note: pipeline readiness] in
-        ``hooks/pipeline_stage.py``), instead of the per-param hooks (``OverlapMuon.attach_pipeline_stage``)."""
-        if not self.config.overlap or not self.muon:
-            return
-        if self.tracker is not None:
-            self.tracker.remove()
-            self.tracker = None
-        mine = [(self.index.first[id(p)], p) for p in stage.submod.parameters() if id(p) in self.index.first]
-        on_ready = weak_callback(self.on_ready)
-        self.handles.append(watch_stage(stage, lambda: [on_ready(i) for i, p in mine if p.grad is not None]))
-
     # hooks -> dispatcher -> pipeline
     def on_ready(self, first: int) -> None:
         if self.choice is not None and self.choice.result is None and not self.pipeline.lanes.capturing():
@@ -214,7 +135,7 @@ class Runtime:
                 or self.config.learn_accumulation and self.backwards.holds()):
             return
         if self.pipeline.lanes.capturing():
-            self._captured()
+            self.wiring.warn_captured()
             return
         for i in self.index.siblings[first]:
             if self.dispatcher.launched > self.index.wave_of[i]:
@@ -237,7 +158,7 @@ class Runtime:
         """Under an attached DDP: count the backward (learned accumulation), launch nothing (an unused param's
         gradient appears only in DDP's own end-of-backward work: ``step()`` flushes)."""
         self._count_backward()
-        if self.ddp_copies:  # DDP's finalize_backward re-copied the bytes the waves read: same bytes, new versions
+        if self.wiring.ddp_copies:  # DDP's finalize_backward re-copied the bytes the waves read: new versions
             self.pipeline.rebase_grad_versions()
 
     def _count_backward(self) -> bool:
@@ -249,26 +170,14 @@ class Runtime:
         self.pipeline.stats["held_backwards"] += held
         return held
 
-    def _captured(self) -> None:
-        """[Note: CUDA graph capture] A backward captured in a CUDA graph (torchtitan's default: its
-        ``training.disable_cuda_graphs=False``) runs the hooks during capture only, and nothing may be queued on
-        the lanes then; on replay no hook runs. So such a backward launches nothing and ``step()`` launches every
-        wave (exact, no overlap). ``step()`` itself inside a capture, and ``async_step``'s forward waits inside one,
-        raise a clear error (``Lanes.refuse_capture``): their event queries and waits cannot be captured."""
-        if not self._warned_capture:
-            self._warned_capture = True
-            warn_user("OverlapMuon: backward runs inside a CUDA graph capture, whose replays run no hook, so the "
-                      "waves launch in step() and nothing overlaps (exact); capture the forward only, or set "
-                      "torchtitan's training.disable_cuda_graphs=True, to keep the overlap")
-
     def _launch(self, wave: Any) -> None:
         self.pipeline.launch(wave, Hyper.of(self._group()), committed=self.phase is StepPhase.SYNC_STEP)
 
     def set_phase(self, phase: StepPhase) -> StepPhase:
         """Move to ``phase`` (the gradient-ready hooks are off while accumulating); returns the phase before."""
         prev, self.phase = self.phase, phase
-        if self.tracker is not None:
-            self.tracker.enabled = phase is not StepPhase.ACCUMULATING
+        if self.wiring.tracker is not None:
+            self.wiring.tracker.enabled = phase is not StepPhase.ACCUMULATING
         return prev
 
     # the step: prepare, launch the rest, commit, then order the updates before what follows
@@ -343,35 +252,15 @@ class Runtime:
             self._adopt_observed_order()
         self.dispatcher.reset()
         version_fix.end_step()  # the user's collectives of this step hold its gradients
-        if self.waits is None:
+        waits = self.wiring.waits
+        if waits is None:
             self.barrier()
-            if self.choice is not None:
-                self._choose()
+            if self.choice is not None:  # [Note: overlap where it pays]
+                self.choice.after_step(self.agreement.ctrl_group, self._set_overlap, self.wiring.unhook_overlap,
+                                       self.pipeline.stats)
             return
-        self.waits.after_step([w.index for w in self.waves])
-        self.waits.wait_gradients_read()  # the applies read no gradient: the user may zero them now
-
-    def _choose(self) -> None:
-        """[Note: overlap where it pays]: the next trial iteration's mode, then the agreed choice."""
-        assert self.choice is not None
-        trial = self.choice.mode_for_next()
-        if trial is not None:
-            self._set_overlap(trial)
-        agreed = self.choice.agreed(self.agreement.ctrl_group)
-        if agreed is None:
-            return
-        on, off = agreed
-        self._set_overlap(on <= off)
-        if on > off:  # off for good: nothing of the overlap stays (hooks, the version fix)
-            if self.tracker is not None:
-                self.tracker.remove()
-                self.tracker = None
-            if self.fixed[0]:
-                self.fixed[0] = False
-                version_fix.release()
-        stats = self.pipeline.stats
-        stats["overlap_auto_on_us"], stats["overlap_auto_off_us"] = round(on * 1e6), round(off * 1e6)
-        stats["overlap_auto_chose_on"] = int(on <= off)
+        waits.after_step([w.index for w in self.waves])
+        waits.wait_gradients_read()  # the applies read no gradient: the user may zero them now
 
     def _set_overlap(self, on: bool) -> None:
         """Switch between launching the waves in backward (``on``) and the synchronous step (its plan, inline
@@ -390,24 +279,18 @@ class Runtime:
 
     def barrier(self) -> None:
         """[Note: the step barrier] The default: ``step()`` orders its updates before anything after it, so every
-        later reader (the next forward, ``model.unshard()``, a step post-hook, ``load_state_dict``, an averager
-        wrapping the optimizer, a second optimizer, user code) sees the updated weights. CPU: the host waits for
-        every apply. CUDA: no host sync: the current stream waits on the apply events, and whatever the current
-        stream runs later follows them. FSDP2 needs nothing more: its root pre-forward makes the all-gather streams
-        wait on the current stream. (Its ``set_post_optim_event`` would replace that wait by one on an event
-        recorded here, so a write queued after ``step()``, by a second optimizer or an EMA, would no longer be
-        ordered before the next all-gather: torch 2.13, ``_fsdp_state.py``, ``_root_pre_forward``.) The backward
-        overlap is kept: the waves were launched and validated speculatively; what is given up is the overlap with
+        later reader (the next forward, ``model.unshard()``, a step post-hook, ``load_state_dict``, an averager, a
+        second optimizer, user code) sees the updated weights. CPU: the host waits for every apply. CUDA: no host
+        sync: the current stream waits on the apply events, and FSDP2's root pre-forward then makes its all-gather
+        streams wait on the current stream (its ``set_post_optim_event`` would drop that wait, and with it the order
+        of a write queued after ``step()``: torch 2.13, ``_fsdp_state.py``). What is given up is the overlap with
         the next forward (``async_step``)."""
         self.pipeline.wait([w.index for w in self.waves])
 
     def _adopt_observed_order(self) -> None:
-        """After the first step: broadcast the observed readiness order of the stage's first rank (rank 0 without
-        pipeline stages) and re-plan the waves with it."""
+        """After the first step: re-plan the waves with the readiness order the stage's first rank observed."""
         assert self.recorder is not None
         self.pipeline.synchronize()
-        order = [self.recorder.order()]
-        if self.agreement.ctrl_group is not None:
-            dist.broadcast_object_list(order, src=self.stage_root, group=self.agreement.ctrl_group)
+        order = self.agreement.broadcast_order(self.recorder.order(), self.stage_root)
         self.recorder = None
-        self.plan_waves(list(order[0]))
+        self.plan_waves(order)

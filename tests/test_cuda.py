@@ -56,7 +56,7 @@ def test_inline_lanes_bitwise_equal_torch_muon():
 
 
 def test_backward_captured_in_a_cuda_graph_launches_in_step():
-    """[Note: CUDA graph capture] in overlap_muon/runtime.py: forward + backward captured in a CUDA graph (as
+    """[Note: CUDA graph capture] in overlap_muon/wiring.py: forward + backward captured in a CUDA graph (as
     torchtitan does by default) and replayed; the hooks launch nothing during capture and nothing runs them on
     replay, so step() launches every wave: bitwise torch.optim.Muon, one warning."""
     torch.manual_seed(0)

@@ -297,7 +297,7 @@ def _captured(rank, world):
     net = PlainShardNet(1, 1, 0, 0)
     opt = plain_opt(net, 1, 1, 0, 0, overlap=True)
     capturing = [True]
-    opt._rt.pipeline.lanes.capturing = lambda: capturing[0]  # [Note: CUDA graph capture] in overlap_muon/runtime.py
+    opt._rt.pipeline.lanes.capturing = lambda: capturing[0]  # [Note: CUDA graph capture] in overlap_muon/wiring.py
     bad = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -352,7 +352,7 @@ def _auto(rank, world, R, T, prefer):
     want = [True] * (TRIAL + 1) + [False] * (TRIAL + 1) + [on] * 3
     if modes != want or opt.stats["overlap_auto_chose_on"] != on:
         bad.append(f"rank {rank}: modes {modes}, expected {want}; stats {dict(opt.stats)}")
-    if not on and (opt._rt.tracker is not None or opt._rt.fixed[0]):
+    if not on and (opt._rt.wiring.tracker is not None or opt._rt.wiring.fixed[0]):
         bad.append(f"rank {rank}: off for good, but the hooks or the version fix stayed")
     opt.close()
     return bad

@@ -145,7 +145,7 @@ def violations(root: Path) -> list[str]:
                 bad.append(f"{where}:{line}: creates a process group ({call}) outside overlap_muon/comm.py")
             if call in LANE_MAKERS and name != "overlap_muon.lanes":
                 bad.append(f"{where}:{line}: creates a stream/event/thread ({call}) outside overlap_muon/lanes.py")
-    for path in sorted(p for folder in (*PACKAGES, "tests", "experiments") for p in (root / folder).rglob("*.py")):
+    for path in sorted(p for folder in (*PACKAGES, "tests") for p in (root / folder).rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)

@@ -288,7 +288,7 @@ def test_split_qkv_runs_and_is_exact_across_modes(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# MoE (--moe): experts sharded over every rank, routed with [Note: MoE dispatch] in overlap_muon/model.py
+# MoE (--moe): experts sharded over every rank, routed with [Note: MoE dispatch] in overlap_muon/apps/moe.py
 
 #: The tiny model with one MoE block (block 1 of 2): 4 experts of width 64, top 2.
 MOE = ["--moe"]

@@ -4,7 +4,7 @@ see the same machine load, and the ratios of each round and their medians are pr
 Each checkout needs its own environment with the project installed (``pip install -e``) and torch; give each one's
 Python. Issue 31 used it to compare ``main`` before and after the wave-reads change:
 
-    python experiments/ab_bench.py /tmp/oldvenv/bin/python .venv/bin/python --cases overlap,overhead --rounds 3
+    python -m overlap_muon.apps.bench.ab /tmp/oldvenv/bin/python .venv/bin/python --cases overlap,overhead --rounds 3
 
 Prints, per case and ratio key, A's and B's value in each round and the medians; ``--json`` writes them.
 """

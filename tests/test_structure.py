@@ -7,7 +7,7 @@
   (``overlap_muon/lanes.py``) create streams, events or threads;
 * nothing imports the old top-level names ``hooks`` and ``scheduler``;
 * the sizes: a library file at most :data:`FILE_LINES` lines, the ``OverlapMuon`` class :data:`OPTIMIZER_LINES`,
-  ``Runtime`` :data:`RUNTIME_LINES`, any other class :data:`CLASS_LINES`, a
+  ``Runtime`` :data:`RUNTIME_LINES`, any other class :data:`CLASS_LINES` (the apps' files and classes too), a
   function or method :data:`FUNCTION_LINES` lines of code (its docstring, blank and comment lines not counted), a
   pipeline task (``WavePipeline._*_task``) :data:`TASK_LINES`; the few exceptions are named in :data:`LONG`.
 
@@ -186,8 +186,22 @@ def test_planted_violations_are_caught(tmp_path):
         assert any(rel in line and what in line for line in found.splitlines()), (rel, what, found)
 
 
+def app_size_violations(root: Path) -> list[str]:
+    """The apps (``overlap_muon/apps/``) under the library's file and class limits, one line each."""
+    bad = []
+    for path in sorted((root / "overlap_muon" / "apps").rglob("*.py")):
+        text, where = path.read_text(), os.path.relpath(path, root)
+        if (n := len(text.splitlines())) > FILE_LINES:
+            bad.append(f"{where}: {n} lines (limit {FILE_LINES}: make a new file)")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > CLASS_LINES:
+                bad.append(f"{where}: {node.name} has {n} lines (limit {CLASS_LINES})")
+    return bad
+
+
 def test_the_library_keeps_its_sizes():
     assert not size_violations(ROOT), "\n".join(size_violations(ROOT))
+    assert not app_size_violations(ROOT), "\n".join(app_size_violations(ROOT))
 
 
 def test_planted_size_violations_are_caught(tmp_path):
@@ -208,7 +222,9 @@ def test_planted_size_violations_are_caught(tmp_path):
         pad = "        " if body.startswith("    def") else "    "
         extra = body + "".join(f"{pad}x{i} = {i}\n" for i in range(n + 1))
         (tmp_path / rel).write_text(text[:at] + extra + text[at:])
-    found = "\n".join(size_violations(tmp_path))
+    with open(tmp_path / "overlap_muon/apps/data.py", "a") as f:  # a long app file
+        f.write("\n" * FILE_LINES)
+    found = "\n".join(size_violations(tmp_path) + app_size_violations(tmp_path))
     for what in ("config.py", "_planted has", "messages.py:", "OverlapMuon has", "pipeline task _planted_task",
-                 "Runtime has", "Lanes has"):
+                 "Runtime has", "Lanes has", "apps/data.py:"):
         assert what in found, (what, found)

@@ -72,8 +72,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .lanes import flag_to_host
-
 __all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions",
            "install", "installed", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed", "writer_of",
            "end_step", "versions", "host_read_free", "note_device_clip", "clipped_only", "clip_bit", "snapshot",
@@ -103,6 +101,8 @@ _device_clips: dict[int, tuple[Any, tuple[int, int], tuple[int, int]]] = {}  # s
 # its versions before the step's first device clip, after its last) ([Note: a clip that does not bite])
 _clip_bits: list[tuple[Any, torch.Tensor]] = []  # (event or None, host bool: the clip bit), oldest first
 _last_bit = [True]  # the last clip_bit read; True before any: a held step stays held
+_flag_mover: list[Callable[[torch.Tensor], tuple[Any, torch.Tensor]] | None] = [None]  # lanes.flag_to_host, given
+# by acquire(): this module is a leaf of the wave's trip and imports none of its files
 
 
 def foreach_bumps_dtensor_versions(mesh: Any) -> bool:
@@ -279,7 +279,10 @@ def note_device_clip(grads: list[torch.Tensor], before: list[tuple[int, int]], c
         _device_clips[_storage(g)] = (weakref.ref(g), b, versions(g))
     with torch.no_grad():
         bit = (coef < 1.0) | (coef != coef)
-    _clip_bits.append(flag_to_host(bit))
+    if bit.device.type == "cpu":
+        _clip_bits.append((None, bit))
+    elif _flag_mover[0] is not None:  # else no overlap optimizer reads it
+        _clip_bits.append(_flag_mover[0](bit))
     clip_bit()  # drop the flags already readable
     del _clip_bits[:-64]  # a bound where nobody asks (the oldest flag unread yet is then never read)
 
@@ -326,12 +329,16 @@ def _wrap(names: tuple[str, ...], which: Callable[[Any], bool]) -> None:
             setattr(torch, name, _bumping(name, fn, which))
 
 
-def acquire(mesh: Any = None) -> set[str]:
+def acquire(mesh: Any = None, flag_mover: Callable[[torch.Tensor], tuple[Any, torch.Tensor]] | None = None
+            ) -> set[str]:
     """:func:`install` for one more user (an ``OverlapMuon(overlap=True)``); :func:`release` undoes it once the
-    last user is gone. Logs on rank 0 what it wrapped and why, the first time it wraps anything."""
+    last user is gone. Logs on rank 0 what it wrapped and why, the first time it wraps anything. ``flag_mover``:
+    copies a device flag to the host behind an event (``lanes.flag_to_host``; :func:`clip_bit` reads those)."""
     global _users
     with _lock:
         _users += 1
+        if flag_mover is not None:
+            _flag_mover[0] = flag_mover
         before = set(_done)
         done = install(mesh)
     new = done - before

@@ -18,6 +18,7 @@ from torch import nn
 from . import version_fix
 from .forward_waits import ForwardWaits
 from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
+from .lanes import flag_to_host
 from .messages import warn_user
 
 try:
@@ -76,7 +77,7 @@ class Wiring:
         self.fixed[0] = config.overlap  # the version fix is this optimizer's to give back (_remove_all)
         if config.overlap:  # [Note: DTensor foreach versions]: every gradient edit must move a version
             dtensors = [m.param for m in muon if isinstance(m.param, DTensor)]
-            version_fix.acquire(dtensors[0].device_mesh if dtensors else None)
+            version_fix.acquire(dtensors[0].device_mesh if dtensors else None, flag_to_host)
         return weakref.finalize(owner, _remove_all, self.handles, rt.pipeline, self.fixed)
 
     def _drop_tracker(self) -> None:

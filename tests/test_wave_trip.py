@@ -7,6 +7,7 @@ records the file of every Python function called during the third step's ``backw
 own records (``Wave``, ``WaveState``, ``Leg``) travel through, in the order of docs/design.md's walk ("One wave's
 trip"); :data:`LEAVES` the functions on tensors, shapes and groups it calls; :data:`STEP` the files ``step()`` enters
 for other work. A change that sends a wave through another file fails here until the walk or the leaves say so.
+Leaves by rule: a leaf imports no trip file and takes no wave record (:func:`leaf_violations`).
 """
 
 from __future__ import annotations
@@ -86,3 +87,72 @@ def test_the_design_walks_the_trip_in_order():
     walk = walk[:walk.index("\n## ")] if "\n## " in walk else walk
     steps = [m.group(1) for m in re.finditer(r"^\d+\. `([\w/.]+\.py)`", walk, re.M)]
     assert steps == TRIP
+
+
+#: The wave's own records: a leaf takes none of them.
+RECORDS = ("Wave", "WaveState", "WavePlan", "Leg", "Reads", "WaveExchanges")
+
+
+def _module_file(root: Path, module: str) -> str | None:
+    """The repository file of an absolute module name (``overlap_muon.hooks`` / ``.scheduler`` are ``hooks/`` and
+    ``scheduler/``), or ``None`` outside the project."""
+    for package, folder in (("overlap_muon.hooks", "hooks"), ("overlap_muon.scheduler", "scheduler"),
+                            ("overlap_muon", "overlap_muon")):
+        if module == package or module.startswith(package + "."):
+            rel = folder + module[len(package):].replace(".", "/")
+            for cand in (rel + ".py", rel + "/__init__.py"):
+                if (root / cand).exists():
+                    return cand
+    return None
+
+
+def leaf_violations(root: Path, leaves: list[str], trip: list[str]) -> list[str]:
+    """Leaves by rule: a leaf imports no trip file (directly) and no parameter of its functions is annotated with a
+    wave record (:data:`RECORDS`). One line per violation."""
+    import ast
+
+    bad = []
+    for leaf in leaves:
+        tree = ast.parse((root / leaf).read_text())
+        package = leaf[:-3].replace("/", ".").replace("hooks.", "overlap_muon.hooks.", 1) \
+            .replace("scheduler.", "overlap_muon.scheduler.", 1).rsplit(".", 1)[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                names = [module] + [f"{module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                names = []
+            for name in names:
+                if (f := _module_file(root, name)) in trip:
+                    bad.append(f"{leaf}:{node.lineno}: a leaf imports the trip file {f}")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs:
+                    ann = ast.unparse(a.annotation) if a.annotation is not None else ""
+                    if any(re.search(rf"\b{r}\b", ann) for r in RECORDS):
+                        bad.append(f"{leaf}:{node.lineno}: {node.name} takes a wave record ({a.arg}: {ann})")
+    return bad
+
+
+def test_leaves_by_rule():
+    """The leaves import no trip file and take no wave record, and the rule catches a planted violation of each."""
+    assert not leaf_violations(ROOT, LEAVES, TRIP), leaf_violations(ROOT, LEAVES, TRIP)
+
+
+def test_planted_leaf_violations_are_caught(tmp_path):
+    import shutil
+
+    for folder in ("overlap_muon", "hooks", "scheduler"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", "apps"))
+    with open(tmp_path / "overlap_muon/ns.py", "a") as f:
+        f.write("\nfrom .lanes import Lanes\n")
+    with open(tmp_path / "overlap_muon/muon_math.py", "a") as f:
+        f.write("\n\ndef _planted(st: 'WaveState') -> None:\n    pass\n")
+    with open(tmp_path / "overlap_muon/placement.py", "a") as f:
+        f.write("\nfrom overlap_muon.scheduler.dispatch import WaveDispatcher\n")
+    found = "\n".join(leaf_violations(tmp_path, LEAVES, TRIP))
+    for what in ("ns.py", "trip file overlap_muon/lanes.py", "_planted takes a wave record",
+                 "placement.py", "trip file scheduler/dispatch.py"):
+        assert what in found, (what, found)

@@ -1,13 +1,13 @@
-"""overlap-muon: layer-sharded Muon whose optimizer work hides inside backward and the next forward."""
+"""overlap-muon: layer-sharded Muon whose optimizer work hides inside backward and the next forward.
 
-from .config import OverlapMuonConfig, resolve_config
-from .ns import adjusted_lr, zeropower
-from .scheduler.cost import ns_flops
+The face holds what a user calls: the optimizer, its config's type, the fused-weight splits and QK-clip. The
+library's other modules are internal; ``docs/design.md`` ("Module map") lists the public ones.
+"""
+
+from .config import OverlapMuonConfig
 from .optimizer import OverlapMuon
 from .qk_clip import QKClip, record_max_logits
 from .split import GateUpSplit, HeadSplit, QKVSplit, RowSplit
 
-__all__ = [
-    "OverlapMuon", "OverlapMuonConfig", "resolve_config", "zeropower", "ns_flops", "adjusted_lr", "RowSplit", "QKVSplit",
-    "GateUpSplit", "HeadSplit", "QKClip", "record_max_logits",
-]
+__all__ = ["OverlapMuon", "OverlapMuonConfig", "RowSplit", "QKVSplit", "GateUpSplit", "HeadSplit", "QKClip",
+           "record_max_logits"]

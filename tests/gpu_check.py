@@ -88,7 +88,8 @@ def cuda_tests(out_dir: str, timeout_s: int, env: dict | None = None, select: st
 
 def ns_vs_bmm(device: torch.device, shapes: list[tuple[int, int]], reps: int) -> list[dict]:
     """bf16 TFLOP/s of one-matrix NS (``overlap_muon.ns.zeropower``) vs the same matmuls as plain ``torch.bmm``."""
-    from overlap_muon import ns_flops, zeropower
+    from overlap_muon.ns import zeropower
+    from overlap_muon.scheduler.cost import ns_flops
 
     rows = []
     for m, n in shapes:

@@ -8,7 +8,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
-from overlap_muon import OverlapMuon, resolve_config, zeropower
+from overlap_muon import OverlapMuon
+from overlap_muon.config import resolve_config
+from overlap_muon.ns import zeropower
 from tests.seams import SeamedOverlapMuon, TestingSeam
 from overlap_muon.config import ENV_VARS
 from overlap_muon.scheduler import load_report, lpt_homes, ns_flops, round_robin_homes

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from overlap_muon import OverlapMuon, resolve_config
+from overlap_muon import OverlapMuon
+from overlap_muon.config import resolve_config
 from tests.dist_utils import run_ranks
 from tests.models import HP, TinyNet
 

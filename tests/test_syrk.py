@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
-from overlap_muon import resolve_config
+from overlap_muon.config import resolve_config
 from overlap_muon.ns import SYRK_BLOCK, sym_gram, sym_poly, zeropower
 
 COEF = (3.4445, -4.7750, 2.0315)

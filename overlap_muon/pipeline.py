@@ -106,7 +106,7 @@ class WavePipeline:
         self.checks = PostedChecks(self.lanes.cuda, [d for d, _ in self._doms])
 
     # --------------------------------------------------------------------------------------------------------
-    # launch: four lane tasks, speculative
+    # launch: the lane tasks up to the scatter (check, pack, to_home, NS, from_home), speculative
     # --------------------------------------------------------------------------------------------------------
     def launch(self, wave: Wave, hyper: Hyper, committed: bool = False) -> WaveState:
         """Queue wave ``wave``'s exchange to the homes, NS and exchange back, with the gradients present now.

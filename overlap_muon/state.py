@@ -7,7 +7,7 @@ commits its first update (``pipeline.WavePipeline.commit``), AdamW moments in th
 rank: Muon params agree by construction (a param with a gradient on some ranks of its domain and not on others is
 a ``ValueError``), and an AdamW param that has a gradient on another rank but not here gets here the zero state
 AdamW would create for it (:func:`init_adamw_state`), decided by the step's agreement on the runtime's gloo group
-(``pipeline.WavePipeline.adamw_elsewhere``). A param with no gradient on any rank has no state anywhere.
+(``agreement.Agreement.adamw_elsewhere``). A param with no gradient on any rank has no state anywhere.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 [Note: DTensor foreach versions] Overlap mode computes a wave from the gradients as backward leaves them and, at
 ``step()``, re-runs every wave whose gradients changed since: it compares each gradient's ``_version`` (and its
-local tensor's) with the values it saw at launch (``pipeline.WavePipeline.stale``). torch 2.13 edits gradients
+local tensor's) with the values it saw at launch (``agreement.Agreement.stale``). torch 2.13 edits gradients
 in place without moving any version counter in two places that sit exactly between ``backward()`` and ``step()``:
 
 * in-place *foreach* ops on DTensors: ``torch._foreach_mul_([dt], c)`` changes the local tensor and leaves both

@@ -188,11 +188,6 @@ class GradReadyTracker:
         assert self._on_backward_end is not None
         self._on_backward_end()
 
-    @property
-    def num_hooks(self) -> int:
-        """Number of registered hooks (distinct params that require grad)."""
-        return len(self._handles)
-
     def remove(self) -> None:
         """Remove every hook. Idempotent."""
         for h in self._handles:

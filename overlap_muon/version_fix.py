@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions",
-           "install", "installed", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed", "writer_of",
+           "install", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed", "writer_of",
            "end_step", "versions", "host_read_free", "note_device_clip", "clipped_only", "clip_bit", "snapshot",
            "edited_since"]
 
@@ -412,8 +412,3 @@ def install(mesh: Any = None) -> set[str]:
             _wrap(FOREACH_INPLACE, lambda t: isinstance(t, DTensor))
             _done.add("dtensor_foreach")
         return set(_done)
-
-
-def installed() -> set[str]:
-    """The fixes :func:`install` put in place in this process."""
-    return set(_done)

@@ -7,7 +7,7 @@ function of its inputs, so all ranks compute the same one without communicating.
 if __name__ == "scheduler":  # the repository folder, found on the path from the repository root
     raise ImportError("scheduler/ is installed as overlap_muon.scheduler: import overlap_muon.scheduler")
 
-from .cost import ns_bytes, ns_flops
+from .cost import ns_flops
 from .dispatch import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher
 from .homes import LoadReport, load_report, lpt_homes, round_robin_homes
 from .plan_hash import PlanDifference, first_plan_difference, param_fingerprints, plan_hash
@@ -16,7 +16,6 @@ from .waves import Wave, WaveCostModel, plan_by_domain, plan_waves, plan_waves_b
 
 __all__ = [
     "ns_flops",
-    "ns_bytes",
     "lpt_homes",
     "round_robin_homes",
     "LoadReport",

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ..layout import gram_wins
 
-__all__ = ["ns_flops", "ns_bytes", "gram_ns_flops", "ns_cost"]
+__all__ = ["ns_flops", "gram_ns_flops", "ns_cost"]
 
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -54,25 +54,6 @@ def ns_flops(shape: tuple[int, int], ns_steps: int = 5) -> int:
     m, n = min(p, q), max(p, q)
     per_step = 2 * m * m * n + 2 * m * m * m + 2 * m * m * n
     return ns_steps * per_step
-
-
-def ns_bytes(shape: tuple[int, int], dtype_bytes: int = 2) -> int:
-    """Bytes of one full ``(P, Q)`` matrix as it travels to and from its NS home.
-
-    Args:
-        shape: the full logical ``(P, Q)`` shape.
-        dtype_bytes: bytes per element; 2 for the bf16 the update is cast to before routing (docs/design.md §1).
-
-    Returns:
-        ``P * Q * dtype_bytes`` bytes (one direction; the exchange back moves as many again).
-
-    Raises:
-        ValueError: ``shape`` is not two non-negative ints, or ``dtype_bytes`` is not a positive int.
-    """
-    p, q = _check_shape(shape)
-    if not isinstance(dtype_bytes, int) or isinstance(dtype_bytes, bool) or dtype_bytes < 1:
-        raise ValueError(f"dtype_bytes must be a positive int, got {dtype_bytes!r} (shape {(p, q)})")
-    return p * q * dtype_bytes
 
 
 def gram_ns_flops(shape: tuple[int, int], ns_steps: int = 5, restarts: int = 1) -> int:

@@ -94,11 +94,6 @@ class WaveDispatcher:
         with self._lock:
             return self._next
 
-    @property
-    def all_launched(self) -> bool:
-        with self._lock:
-            return self._next == len(self._waves)
-
     def mark_ready(self, i: int) -> None:
         """Param ``i``'s gradient is ready; launch every wave that has become launchable, in order.
 

@@ -79,7 +79,7 @@ from .surplus_cost import (
     team_splits_poly,
 )
 
-__all__ = ["POLICIES", "CPU_GLOO", "on_every_rank", "duplicate_homes", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
+__all__ = ["POLICIES", "CPU_GLOO", "duplicate_homes", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
            "team_row_counts", "serving_homes", "every_rank_kinds", "team_splits_poly"]
 
 #: The surplus policies, in the order ``auto`` prefers them on a tie.
@@ -328,14 +328,6 @@ def every_rank_kinds(
                 len(a.ranks) == size for a in plan.assignments.values()):
             out[w.index] = kinds.pop()
     return out
-
-
-def on_every_rank(
-    waves: Sequence, shapes: Sequence[tuple[int, int]], domain_sizes: Sequence[int], policy: str = "duplicate",
-    cost_model: SurplusCostModel | None = None,
-) -> set[int]:
-    """Indices of the waves :func:`every_rank_kinds` gives a kind (``policy`` ``"duplicate"`` or ``"team"``)."""
-    return set(every_rank_kinds(waves, shapes, domain_sizes, policy, cost_model))
 
 
 def duplicate_homes(

@@ -31,7 +31,7 @@ def test_tracker_fires_once_per_param_then_end_callback():
         events.append("end")
 
     tracker = GradReadyTracker(params, events.append, on_end)
-    assert tracker.num_hooks == 4
+    assert len(tracker._handles) == 4
     for step in range(3):
         events.clear()
         model(torch.randn(5, 4)).sum().backward()
@@ -66,7 +66,7 @@ def test_tracker_tied_weight_once():
     bias = torch.nn.Parameter(torch.zeros(7))
     events = []
     tracker = GradReadyTracker([emb, bias, emb], events.append, lambda: events.append("end"))
-    assert tracker.num_hooks == 2
+    assert len(tracker._handles) == 2
     ids = torch.tensor([1, 4, 4])
     logits = emb[ids] @ emb.T + bias
     logits.sum().backward()
@@ -80,7 +80,7 @@ def test_tracker_unused_and_frozen_params():
     frozen = torch.randn(3)  # requires_grad=False: never hooked
     events = []
     tracker = GradReadyTracker([a, unused, frozen], events.append, lambda: events.append("end"))
-    assert tracker.num_hooks == 2
+    assert len(tracker._handles) == 2
     (a * 2).sum().backward()
     assert events == [0, "end"]
 

@@ -14,7 +14,6 @@ from overlap_muon.scheduler import (
     WaveDispatcher,
     load_report,
     lpt_homes,
-    ns_bytes,
     ns_flops,
     plan_waves,
     round_robin_homes,
@@ -47,11 +46,6 @@ def test_ns_flops_matches_torch_muon(shape):
     assert fc.get_total_flops() == ns_flops(shape, ns_steps=5)
 
 
-def test_ns_bytes():
-    assert ns_bytes((4, 6)) == 48
-    assert ns_bytes((4, 6), dtype_bytes=4) == 96
-
-
 @pytest.mark.parametrize(
     "call",
     [
@@ -59,7 +53,6 @@ def test_ns_bytes():
         lambda: ns_flops((4, -1)),
         lambda: ns_flops((4.0, 2)),
         lambda: ns_flops((4, 2), ns_steps=-1),
-        lambda: ns_bytes((4, 2), dtype_bytes=0),
     ],
 )
 def test_cost_bad_input(call):
@@ -268,7 +261,7 @@ def test_dispatcher_scrambled_marks_launch_in_order(seed):
         rec.marked.add(i)
         d.mark_ready(i)
         assert d.launched == _leading_complete(waves, rec.marked) == len(rec.launched)
-    assert d.all_launched and rec.launched == list(range(len(waves)))
+    assert d.launched == len(d._waves) and rec.launched == list(range(len(waves)))
     assert d.flush() == 0
 
 
@@ -280,10 +273,10 @@ def test_dispatcher_flush_with_unmarked_params():
     for i in [18, 17, 16, 15, 14, 13] + [1, 0]:  # wave 0, part of wave 1, all of wave 3
         rec.marked.add(i)
         d.mark_ready(i)
-    assert d.launched == 1 and not d.all_launched
+    assert d.launched == 1 and not d.launched == len(d._waves)
     rec.flushing = True
     assert d.flush() == 3
-    assert rec.launched == [0, 1, 2, 3] and d.all_launched
+    assert rec.launched == [0, 1, 2, 3] and d.launched == len(d._waves)
     rec.flushing = False
     d.mark_ready(5)  # late mark after the flush: no relaunch
     assert rec.launched == [0, 1, 2, 3]
@@ -395,7 +388,7 @@ def test_dispatcher_threads_marking_concurrently():
         for t in ts:
             t.join(timeout=30)
         assert not errors, errors
-        assert rec.launched == list(range(len(waves))) and d.all_launched
+        assert rec.launched == list(range(len(waves))) and d.launched == len(d._waves)
 
 
 # ---------------------------------------------------------------------------------------------------- recorder

@@ -290,3 +290,42 @@ class MuonAdamW(torch.optim.Optimizer):
         for o, sd in zip(self.inner, state_dict["inner"]):
             o.load_state_dict(sd)
         self.param_groups = [g for o in self.inner for g in o.param_groups]
+
+
+class PlainTPPair:
+    """Full matrices ``specs`` (name -> ``((P, Q), TP partition_dim)``) as plain TP shards of this rank (``net``,
+    carrying ``partition_dim`` and ``full_shape``) beside their unsharded copies (``ref``, for ``torch.optim.Muon``)."""
+
+    def __init__(self, specs: dict, world: int, rank: int) -> None:
+        self.specs, self.world, self.rank = specs, world, rank
+        gen = torch.Generator().manual_seed(0)
+        fulls = {n: torch.randn(*shape, generator=gen) * 0.1 for n, (shape, _) in specs.items()}
+        self.net, self.ref = nn.Module(), {}
+        for n, (shape, pd) in specs.items():
+            w = nn.Parameter(self._mine(fulls[n], pd).clone())
+            w.partition_dim, w.full_shape = pd, shape
+            setattr(self.net, n, w)
+            self.ref[n] = nn.Parameter(fulls[n].clone())
+
+    def _mine(self, full: torch.Tensor, pd: int) -> torch.Tensor:
+        size = full.shape[pd] // self.world
+        return full.narrow(pd, self.rank * size, size)
+
+    def train(self, opt, steps: int = 3, hook: bool = False) -> list[float]:
+        """``steps`` steps of ``opt`` on the shards and ``torch.optim.Muon`` on the copies, the same gradients
+        (``hook``: each param's grad-ready hook called by hand); per param, the largest difference after."""
+        mu = torch.optim.Muon(list(self.ref.values()), **HP)
+        for s in range(steps):
+            g = torch.Generator().manual_seed(100 + s)
+            for n, (shape, pd) in self.specs.items():
+                full = torch.randn(*shape, generator=g)
+                getattr(self.net, n).grad = self._mine(full, pd).clone()
+                self.ref[n].grad = full
+                if hook:
+                    opt._rt.on_ready(opt._rt.index.first[id(getattr(self.net, n))])
+            opt.step()
+            mu.step()
+            opt.zero_grad()
+        opt.synchronize()
+        return [float((getattr(self.net, n).detach() - self._mine(self.ref[n].detach(), pd)).abs().max())
+                for n, (_, pd) in self.specs.items()]

@@ -102,25 +102,13 @@ def _runtime_body(rank: int, world: int, overlap: bool, k: int) -> tuple[list[fl
     a wide one split by rows (its Gram would be the larger one: layer-sharded, bitwise torch). Returns per param the
     largest difference from ``torch.optim.Muon`` on the full matrices after 3 steps, its bound, the stats, and the
     plan's kinds."""
-    from torch import nn
-
-    from overlap_muon import OverlapMuon
-    from tests.models import HP, explicit_groups
+    from overlap_muon import OverlapMuon, gram_mode
+    from tests.models import HP, PlainTPPair, explicit_groups
 
     tp, _ = explicit_groups(1, world, 0, rank)
     specs = {"wide_cols": ((96, 160), 1), "tall_rows": ((160, 96), 0), "wide_rows": ((64, 128), 0)}
-    gen = torch.Generator().manual_seed(0)
-    fulls = {n: torch.randn(*shape, generator=gen) * 0.1 for n, (shape, _) in specs.items()}
-    net, ref = nn.Module(), {}
-    for n, (shape, pd) in specs.items():
-        size = shape[pd] // world
-        w = nn.Parameter(fulls[n].narrow(pd, rank * size, size).clone())
-        w.partition_dim, w.full_shape = pd, shape
-        setattr(net, n, w)
-        ref[n] = nn.Parameter(fulls[n].clone())
-    from overlap_muon import gram_mode
-
-    opt = OverlapMuon(net, muon_filter=lambda n, p: True, tp_group=tp, mode="gram", gram_restart_every=k,
+    pair = PlainTPPair(specs, world, rank)
+    opt = OverlapMuon(pair.net, muon_filter=lambda n, p: True, tp_group=tp, mode="gram", gram_restart_every=k,
                       overlap=overlap, auto_overlap=False, **HP)
     formed, real = [0], gram_mode._gram
 
@@ -129,25 +117,8 @@ def _runtime_body(rank: int, world: int, overlap: bool, k: int) -> tuple[list[fl
         return real(x, group)
 
     gram_mode._gram = counted
-    mu = torch.optim.Muon(list(ref.values()), **HP)
-    for s in range(3):
-        g = torch.Generator().manual_seed(100 + s)
-        for n, (shape, pd) in specs.items():
-            full = torch.randn(*shape, generator=g)
-            size = shape[pd] // world
-            getattr(net, n).grad = full.narrow(pd, rank * size, size).clone()
-            ref[n].grad = full
-            opt._rt.on_ready(opt._rt.index.first[id(getattr(net, n))])  # the grad-ready hook
-        opt.step()
-        mu.step()
-        opt.zero_grad()
-    opt.synchronize()
-    diffs, bounds = [], []
-    for n, (shape, pd) in specs.items():
-        size = shape[pd] // world
-        want = ref[n].detach().narrow(pd, rank * size, size)
-        diffs.append(float((getattr(net, n).detach() - want).abs().max()))
-        bounds.append(3 * HP["lr"] * max(1.0, shape[0] / shape[1]) ** 0.5 * 2 ** -7)
+    diffs = pair.train(opt, hook=True)
+    bounds = [3 * HP["lr"] * max(1.0, shape[0] / shape[1]) ** 0.5 * 2 ** -7 for shape, _ in specs.values()]
     kinds = sorted({"gram" for p in opt._rt.wave_plans if p.gram_tall} | {p.kind for p in opt._rt.wave_plans})
     stats = dict(opt.stats, gram_all_reduces=formed[0])
     gram_mode._gram = real

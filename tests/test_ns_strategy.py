@@ -46,47 +46,20 @@ def _body(rank: int, world: int, forced: list[str] | None, allow_inexact: bool, 
     """Plain TP shards (wide split by columns, tall by rows: Gram-able; wide by rows: not), ``mode="auto"`` with the
     cost model's picks or ``forced`` ones; returns per param the largest difference from ``torch.optim.Muon`` after
     3 steps, the picks of every rank and the stats."""
-    from torch import nn
-
     from overlap_muon import OverlapMuon, ns_strategy
-    from tests.models import HP, explicit_groups
+    from tests.models import HP, PlainTPPair, explicit_groups
 
     tp, _ = explicit_groups(1, world, 0, rank)
-    specs = {"wide_cols": ((96, 160), 1), "tall_rows": ((160, 96), 0), "wide_rows": ((64, 128), 0),
-             "sq": ((64, 64), 0)}
-    gen = torch.Generator().manual_seed(0)
-    fulls = {n: torch.randn(*shape, generator=gen) * 0.1 for n, (shape, _) in specs.items()}
-    net, ref = nn.Module(), {}
-    for n, (shape, pd) in specs.items():
-        size = shape[pd] // world
-        w = nn.Parameter(fulls[n].narrow(pd, rank * size, size).clone())
-        w.partition_dim, w.full_shape = pd, shape
-        setattr(net, n, w)
-        ref[n] = nn.Parameter(fulls[n].clone())
+    pair = PlainTPPair({"wide_cols": ((96, 160), 1), "tall_rows": ((160, 96), 0), "wide_rows": ((64, 128), 0),
+                        "sq": ((64, 64), 0)}, world, rank)
     real = ns_strategy.pick_strategies
     if forced is not None:
         ns_strategy.pick_strategies = lambda shapes, *a, gram_ok, **k: [
             f if f != "gram" or j in gram_ok else "home" for j, f in enumerate(forced)]
-    opt = OverlapMuon(net, muon_filter=lambda n, p: True, tp_group=tp, mode="auto", allow_inexact=allow_inexact,
+    opt = OverlapMuon(pair.net, muon_filter=lambda n, p: True, tp_group=tp, mode="auto", allow_inexact=allow_inexact,
                       overlap=overlap, auto_overlap=False, **HP)
     ns_strategy.pick_strategies = real
-    mu = torch.optim.Muon(list(ref.values()), **HP)
-    for s in range(3):
-        g = torch.Generator().manual_seed(100 + s)
-        for n, (shape, pd) in specs.items():
-            full = torch.randn(*shape, generator=g)
-            size = shape[pd] // world
-            getattr(net, n).grad = full.narrow(pd, rank * size, size).clone()
-            ref[n].grad = full
-        opt.step()
-        mu.step()
-        opt.zero_grad()
-    opt.synchronize()
-    diffs = []
-    for n, (shape, pd) in specs.items():
-        size = shape[pd] // world
-        want = ref[n].detach().narrow(pd, rank * size, size)
-        diffs.append(float((getattr(net, n).detach() - want).abs().max()))
+    diffs = pair.train(opt)
     picks = [None] * world
     dist.all_gather_object(picks, opt._rt.strategies.picks)
     stats = dict(opt.stats)

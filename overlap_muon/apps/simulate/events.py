@@ -19,8 +19,11 @@ from .shapes import _APPLY_BYTES, _EPS, _PACK_BYTES, _WIRE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
-class _WavePlan:
-    params: tuple[int, ...]
+class _WaveTimes:
+    """One wave of the library's plan (``scheduler.Wave``: its params and homes, as ``plan_waves`` cuts them) with
+    the times the model gives its lanes."""
+
+    wave: Any
     ns_work: tuple[float, ...]  # per home, seconds at full speed
     to_home_s: float
     from_home_s: float
@@ -39,7 +42,7 @@ class _RunOut:
     applied: list[float] = dataclasses.field(default_factory=list)
 
 
-def _lane_work(plans: list[_WavePlan], num_homes: int) -> list[list[float]]:
+def _lane_work(plans: list[_WaveTimes], num_homes: int) -> list[list[float]]:
     """Per wave, the NS work of each simulated lane: every home with work in some wave, then one idle home (if
     any) for all the others."""
     busy = sorted({r for p in plans for r, w in enumerate(p.ns_work) if w > 0})
@@ -47,7 +50,7 @@ def _lane_work(plans: list[_WavePlan], num_homes: int) -> list[list[float]]:
     return [[p.ns_work[r] for r in busy] + idle for p in plans]
 
 
-def _run(cfg: SimConfig, plans: list[_WavePlan], overlap: bool, barrier: bool = False) -> _RunOut:
+def _run(cfg: SimConfig, plans: list[_WaveTimes], overlap: bool, barrier: bool = False) -> _RunOut:
     """Simulate the last backward and the next forward; see [Note: what the model assumes], items 7-9.
 
     ``overlap``: waves launch during backward (else after it). ``barrier`` (the runtime's default step): the
@@ -63,7 +66,7 @@ def _run(cfg: SimConfig, plans: list[_WavePlan], overlap: bool, barrier: bool = 
     waves_of_layer: list[set[int]] = [set() for _ in range(L)]
     layer_of = [l for l, layer in enumerate(cfg.layer_shapes) for _ in layer]
     for k, p in enumerate(plans):
-        for i in p.params:
+        for i in p.wave.params:
             waves_of_layer[layer_of[i]].add(k)
     shared = 1.0 / (1.0 + cfg.ns_interference)
 
@@ -234,7 +237,7 @@ def _flows_s(cfg: SimConfig, assignments: Sequence[Any], shapes: Sequence[tuple[
     return t(to), t(back), sent / S
 
 
-def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan], float]:
+def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WaveTimes], float]:
     """Waves, per-matrix NS seconds, per-wave lane items, and the bf16 bytes a rank sends to homes per step."""
     from ...scheduler.cost import ns_flops
     from ...scheduler.surplus import _estimate_parts, _Nodes, plan_surplus
@@ -298,8 +301,8 @@ def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WavePlan], floa
             apply = elems * _APPLY_BYTES / cfg.elementwise_bytes_per_s
         layers = [layer_of[i] for i in w.params]
         plans.append(
-            _WavePlan(
-                params=w.params,
+            _WaveTimes(
+                wave=w,
                 ns_work=tuple(work),
                 to_home_s=check + pack + ex_to,
                 from_home_s=ex_back + dp_gather + apply,

@@ -52,7 +52,7 @@ def simulate(config: SimConfig) -> SimResult:
     exchange = 0.0
     elem_bw = cfg.elementwise_bytes_per_s
     for p in plans:
-        elems = sum(shapes[i][0] * shapes[i][1] / S for i in p.params)
+        elems = sum(shapes[i][0] * shapes[i][1] / S for i in p.wave.params)
         pack = elems * _PACK_BYTES / elem_bw if elem_bw else 0.0
         apply = elems * _APPLY_BYTES / elem_bw if elem_bw else 0.0
         exchange += (p.to_home_s - pack) + (p.from_home_s - apply)
@@ -62,7 +62,7 @@ def simulate(config: SimConfig) -> SimResult:
     timings = tuple(
         WaveTiming(
             index=k,
-            num_params=len(p.params),
+            num_params=len(p.wave.params),
             first_layer=p.first_layer,
             last_layer=p.last_layer,
             ns_max_s=max(p.ns_work),

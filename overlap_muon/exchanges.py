@@ -407,6 +407,11 @@ class WaveExchanges:
         """No NS of the wave issues a collective: another thread may run it ([Note: a waiting thread helps])."""
         return not any(e is not None and e.ns_collective for e in (self.main, self.local, self.gram, self.gathered))
 
+    def needs_input(self, m: MuonParam) -> bool:
+        """Whether this rank packs ``m``'s NS input: always in the legs of its own, else as the main kind says."""
+        own = m.index in self.gathered_params or (self.gram is not None and m.index in self.gram.tall)
+        return own or self.main.needs_input(m)
+
     def legs(self, mps: Sequence[MuonParam], packed: Sequence[Tensor | None]) -> list[Leg]:
         """One leg per exchange that has params among ``mps`` (``packed``: their NS inputs, in ``mps`` order)."""
         own, dup = (self.gram.tall if self.gram is not None else {}), self.gathered_params

@@ -172,7 +172,7 @@ class WavePipeline:
             return
         mps = [self.muon[i] for i in st.items]
         exchanges = self.exchanges[st.wave.index]
-        st.packed = self._pack(st, mps, [not m.replicated and not exchanges.main.needs_input(m) for m in mps])
+        st.packed = self._pack(st, mps, [not m.replicated and not exchanges.needs_input(m) for m in mps])
         st.legs = exchanges.legs(mps, st.packed)
 
     def _pack(self, st: WaveState, mps: list[MuonParam], skip: list[bool]) -> list[Tensor | None]:

@@ -241,19 +241,10 @@ class SimConfig:
         fwd = [model.layer_forward_flops_per_token(seq_len) * per_gpu] * model.num_layers
         fwd[-1] += model.head_forward_flops_per_token() * per_gpu
         shapes = tuple(tuple(s for _, s in model.layer_matrices()) for _ in range(model.num_layers))
-        kw: dict[str, Any] = dict(
-            name=model.name,
-            layer_shapes=shapes,
-            layer_forward_s=tuple(fwd),
-            layer_backward_s=tuple(2.0 * f for f in fwd),
-            tp_size=tp_size,
-            remat_size=remat_size,
-            dp_size=dp_size,
-            grad_accum=grad_accum,
-            ns_flops_per_s=matmul_flops_per_s,
-        )
-        kw.update(overrides)
-        return cls(**kw)
+        return cls(**{**dict(name=model.name, layer_shapes=shapes, layer_forward_s=tuple(fwd),
+                              layer_backward_s=tuple(2.0 * f for f in fwd), tp_size=tp_size, remat_size=remat_size,
+                              dp_size=dp_size, grad_accum=grad_accum, ns_flops_per_s=matmul_flops_per_s),
+                          **overrides})
 
     @classmethod
     def from_measured(

@@ -1,6 +1,7 @@
 """The docs fit and their links land: the README at most :data:`README_LINES` lines, ``docs/usage.md`` at most
-:data:`USAGE_LINES`, and every relative Markdown link of the README and ``docs/`` names a file that exists and, with
-``#anchor``, one of its headings (GitHub's anchor rule)."""
+:data:`USAGE_LINES`, every relative Markdown link of the README and ``docs/`` names a file that exists and, with
+``#anchor``, one of its headings (GitHub's anchor rule), and every "[Note: X] in FILE" of the code and the docs
+names a file that holds that note."""
 
 from __future__ import annotations
 
@@ -36,6 +37,26 @@ def broken_links(root: Path) -> list[str]:
     return bad
 
 
+def _flat(text: str) -> str:
+    """Text with line breaks, comment marks and runs of spaces folded, so a note's name may wrap."""
+    return re.sub(r"\s+", " ", re.sub(r"\n\s*(#+|\"\"\")?\s*", " ", text))
+
+
+def note_violations(root: Path) -> list[str]:
+    """Every ``[Note: X] in FILE`` whose FILE (a path suffix) holds no ``[Note: X]``, one line each."""
+    folders = ("overlap_muon", "hooks", "scheduler", "tests", "docs", "examples")
+    files = [root / "README.md"] + [p for f in folders if (root / f).exists() for p in sorted((root / f).rglob("*"))
+                                    if p.suffix in (".py", ".md")]
+    flat = {p: _flat(p.read_text()) for p in files}
+    bad = []
+    for p in files:
+        for m in re.finditer(r"\[Note: ([^\]]+)\] in `*([\w/.]+\.py)", flat[p]):
+            note, target = m.group(1), m.group(2)
+            if not any(f"[Note: {note}]" in flat[q] for q in files if str(q).endswith("/" + target)):
+                bad.append(f"{p.relative_to(root)}: [Note: {note}] is not in {target}")
+    return bad
+
+
 def size_violations(root: Path) -> list[str]:
     bad = []
     for rel, limit in (("README.md", README_LINES), ("docs/usage.md", USAGE_LINES)):
@@ -48,6 +69,7 @@ def size_violations(root: Path) -> list[str]:
 def test_docs_fit_and_links_land():
     assert not size_violations(ROOT), size_violations(ROOT)
     assert not broken_links(ROOT), "\n".join(broken_links(ROOT))
+    assert not note_violations(ROOT), "\n".join(note_violations(ROOT))
 
 
 def test_planted_doc_violations_are_caught(tmp_path):
@@ -56,4 +78,10 @@ def test_planted_doc_violations_are_caught(tmp_path):
     (tmp_path / "docs" / "a.md").write_text("# A page\n")
     (tmp_path / "docs" / "usage.md").write_text("# Usage\n" + "y\n" * 460)
     assert len(broken_links(tmp_path)) == 2, broken_links(tmp_path)
+    note = "[" + "Note: "  # not written whole here: this file is scanned too
+    (tmp_path / "docs" / "b.md").write_text(f"{note}other name] in `tests/y.py`; {note}gone] in `tests/y.py`\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "y.py").write_text(f"# {note}other\n# name]: a note whose name wraps\n")
+    assert [v.split(": ", 1)[1] for v in note_violations(tmp_path)] == [f"{note}gone] is not in tests/y.py"], \
+        note_violations(tmp_path)
     assert len(size_violations(tmp_path)) == 2, size_violations(tmp_path)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .lanes import flag_to_host
 from .placement import local_tensor
-from .version_fix import host_read_free, note_device_clip, versions
+from .version_fix import FlagQueue, host_read_free, note_device_clip, versions
 
 try:
     from torch.distributed.tensor import DTensor
@@ -66,7 +66,7 @@ def clip_grads_by_total_norm_(grads: Sequence[Tensor], max_norm: float) -> tuple
     on_host = host_read_free(coef.device)
     if on_host and bool(coef == 1.0):  # [Note: clipping and speculative waves]: the one host read (CPU)
         return total, False
-    before = [versions(g) for g in grads]
+    before = [versions(g) for g in grads] if not on_host else []
     for g in grads:
         local_tensor(g).mul_(coef.to(g.device))
     if on_host:
@@ -80,15 +80,11 @@ class ClipCount:
     it to the host has completed (``lanes.flag_to_host``), a step or more later."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[object, Tensor]] = []
+        self._pending = FlagQueue()
 
     def add(self, clipped: bool | Tensor) -> int:
         """Take this step's ``clipped``; returns how many steps' flags are now known to have bitten."""
-        if isinstance(clipped, Tensor):
-            self._pending.append(flag_to_host(clipped))
-            n = 0
-        else:
-            n = int(clipped)
-        while self._pending and (self._pending[0][0] is None or self._pending[0][0].query()):
-            n += bool(self._pending.pop(0)[1])
-        return n
+        if not isinstance(clipped, Tensor):
+            return int(clipped) + sum(self._pending.drain())
+        self._pending.push(flag_to_host(clipped))
+        return sum(self._pending.drain())

@@ -75,7 +75,7 @@ import torch.distributed as dist
 __all__ = ["FOREACH_INPLACE", "AMP_UNSCALE", "C10D_INPLACE", "foreach_bumps_dtensor_versions", "unscale_bumps_versions",
            "install", "acquire", "release", "uninstall", "wait_in_flight", "forget_completed", "writer_of",
            "end_step", "versions", "host_read_free", "note_device_clip", "clipped_only", "clip_bit", "snapshot",
-           "edited_since"]
+           "edited_since", "FlagQueue"]
 
 logger = logging.getLogger("overlap_muon")
 
@@ -99,7 +99,7 @@ _originals: list[tuple[Any, str, Callable[..., Any]]] = []  # (module, name, ori
 _done: set[str] = set()  # "dtensor_foreach", "amp_unscale", "c10d", "unit_clip": the fixes in place in this process
 _device_clips: dict[int, tuple[Any, tuple[int, int], tuple[int, int]]] = {}  # storage -> (the gradient weakly,
 # its versions before the step's first device clip, after its last) ([Note: a clip that does not bite])
-_clip_bits: list[tuple[Any, torch.Tensor]] = []  # (event or None, host bool: the clip bit), oldest first
+_clip_bits: "FlagQueue"  # the device clips' flags (set below, after the class)
 _last_bit = [True]  # the last clip_bit read; True before any: a held step stays held
 _flag_mover: list[Callable[[torch.Tensor], tuple[Any, torch.Tensor]] | None] = [None]  # lanes.flag_to_host, given
 # by acquire(): this module is a leaf of the wave's trip and imports none of its files
@@ -255,7 +255,7 @@ def _skipping_unit_clip(fn: Callable[..., Any]) -> Callable[..., Any]:
             on_host = host_read_free(coef.device)
             if on_host and bool(coef == 1.0):
                 return None
-        before = [versions(g) for g in grads]
+        before = [versions(g) for g in grads] if not on_host else []
         out = fn(parameters, max_norm, total_norm, foreach)
         if not on_host:
             note_device_clip(grads, before, coef)
@@ -280,11 +280,9 @@ def note_device_clip(grads: list[torch.Tensor], before: list[tuple[int, int]], c
     with torch.no_grad():
         bit = (coef < 1.0) | (coef != coef)
     if bit.device.type == "cpu":
-        _clip_bits.append((None, bit))
+        _clip_bits.push((None, bit))
     elif _flag_mover[0] is not None:  # else no overlap optimizer reads it
-        _clip_bits.append(_flag_mover[0](bit))
-    clip_bit()  # drop the flags already readable
-    del _clip_bits[:-64]  # a bound where nobody asks (the oldest flag unread yet is then never read)
+        _clip_bits.push(_flag_mover[0](bit))
 
 
 def clipped_only(t: torch.Tensor, before: tuple[int, int]) -> bool:
@@ -316,9 +314,35 @@ def edited_since(then: list[tuple[Any, tuple[int, int]]], grads: list[torch.Tens
 def clip_bit() -> bool:
     """Whether the latest device clip whose flag is readable without a sync bit (scaled some gradient, or its
     norm was not finite); the last flag read while none is readable (True before any)."""
-    while _clip_bits and (_clip_bits[0][0] is None or _clip_bits[0][0].query()):
-        _last_bit[0] = bool(_clip_bits.pop(0)[1])
+    for bit in _clip_bits.drain():
+        _last_bit[0] = bit
     return _last_bit[0]
+
+
+class FlagQueue:
+    """Flags on their way to the host, oldest first: ``(event, host)`` pairs (``lanes.flag_to_host``; ``event``
+    ``None`` for a flag already on the host). :meth:`drain` returns the ones readable without a sync."""
+
+    def __init__(self, bound: int = 64) -> None:
+        self._q: list[tuple[Any, torch.Tensor]] = []
+        self._bound = bound
+
+    def push(self, entry: tuple[Any, torch.Tensor]) -> None:
+        """Queue one flag; past ``bound`` unread ones (nobody asks), the oldest are dropped."""
+        self._q.append(entry)
+        if len(self._q) > self._bound:
+            self.drain()
+            del self._q[:-self._bound]
+
+    def drain(self) -> list[bool]:
+        """The queued flags whose copies have completed (no sync), in order; they leave the queue."""
+        out = []
+        while self._q and (self._q[0][0] is None or self._q[0][0].query()):
+            out.append(bool(self._q.pop(0)[1]))
+        return out
+
+
+_clip_bits = FlagQueue()
 
 
 def _wrap(names: tuple[str, ...], which: Callable[[Any], bool]) -> None:

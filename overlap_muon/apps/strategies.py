@@ -20,8 +20,7 @@ Layouts (the weight-shard domain of a weight is its FSDP/remat x TP ranks; DP re
 - ``--gb300``: 32 GPUs of an NVL72 rack: the MoE preset with attention TP 2 x remat 8 (DP 2) and experts EP 8 x
   expert TP 2 (x expert FSDP 2), and llama3-70b with TP 2 x remat 8 (DP 2).
 
-A matrix is Gram-able where its shards split only its long side (``overlap_muon.gram_mode.gram_orientations``'
-rule: a TP column-parallel matrix whose rows are its long side, or any matrix with TP 1 split by rows when tall).
+A matrix is Gram-able where its shards split only its long side (the runtime's ``gram_mode.gram_orientations``).
 Estimates are planning figures of the cost model, not measurements.
 """
 
@@ -86,14 +85,16 @@ class Domain:
         return self.tp * self.remat
 
     def gram_ok(self) -> dict[int, bool]:
-        """The weights whose shards split only their long side (``gram_mode.gram_orientations``' rule)."""
-        out = {}
-        for j, ((p, q), pd) in enumerate(self.weights):
-            rows = self.tp == 1 or pd == 0
-            cols = self.remat == 1 and pd == 1
-            if self.size > 1 and ((rows and p >= q) or (cols and p <= q)):
-                out[j] = True
-        return out
+        """The weights whose shards split only their long side: the runtime's own rule
+        (``gram_mode.gram_orientations``) on stand-ins of the weights."""
+        from types import SimpleNamespace
+
+        from overlap_muon.gram_mode import gram_orientations
+
+        stand_ins = [SimpleNamespace(index=j, full_shape=sh, partition_dim=pd, domain=0, replicated=False,
+                                     transposed=False, parts=None, expert=None)
+                     for j, (sh, pd) in enumerate(self.weights)]
+        return gram_orientations(stand_ins, self.remat, self.tp)
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,6 +146,11 @@ def apply_update(
     if param.dtype == torch.bfloat16 and update.dtype == torch.bfloat16 and param.device.type == "cpu":
         _add_like_full_matrix(param, update, alpha, (int(full_shape[0]), int(full_shape[1])), region)
     else:
+        if param.device.type == "cpu" and update.stride() != param.stride():
+            # A tall matrix's update is the transpose of NS's result: torch's add_ walks it strided, several times
+            # slower than a bf16 copy into param's layout and a dense add_ (the same bits: [Note: the apply follows
+            # torch's kernel path], fp32 arithmetic on both paths).
+            update = torch.empty_like(param, dtype=update.dtype).copy_(update)
         param.add_(update, alpha=alpha)
 
 

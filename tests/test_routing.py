@@ -315,6 +315,14 @@ def _domain_body(rank, world):
                 assert all(torch.equal(a, b) for a, b in zip(*runs))
                 per_mode[fused] = runs[0]
             assert all(torch.equal(a, b) for a, b in zip(per_mode[False], per_mode[True]))
+            # NS results laid out as zeropower gives a tall one (the transpose of a contiguous matrix), with
+            # reserved buffers, twice: the same blocks come back.
+            bufs: dict = {}
+            for _ in range(2):
+                mats, idx = to_homes(shards, homes, pds, shapes, dom, fused=True)
+                ns = [(m * 3).mT.contiguous().mT for m in mats]
+                back = from_homes(ns, idx, shards, homes, pds, shapes, dom, fused=True, buffers=bufs)
+                assert all(torch.equal(a, b) for a, b in zip(back, per_mode[True][len(mats):])), (R, T)
             with _Count() as c:
                 gathered = all_gather_full(shards, pds, shapes, dom)
             assert c.total == (len(SPECS) if W > 1 else 0)

@@ -441,7 +441,8 @@ def _torch_apply(full: torch.Tensor, O: torch.Tensor, lr: float, wd: float, shap
 def test_apply_update_on_every_block_equals_full_matrix_apply(dtype):
     """The apply alone, in this process (``torch.get_num_threads()`` threads, so matrices above torch's grain size
     of 32768 elements are split in thread chunks, whose tails move): every block of every grid equals torch's
-    apply on the full matrix, for tall, wide and square matrices, small and above the grain size."""
+    apply on the full matrix, for tall, wide and square matrices, small and above the grain size, with the block
+    handed over contiguous and as the strided view of the NS result (a tall matrix's at world 1)."""
     from overlap_muon.layout import block as region_of
     from overlap_muon.muon_math import apply_update
     from overlap_muon.ns import zeropower
@@ -458,11 +459,12 @@ def test_apply_update_on_every_block_equals_full_matrix_apply(dtype):
                 for g in range(R):
                     for t in range(T):
                         r0, nr, c0, nc = region_of(shape, pd, R, T, g, t)
-                        shard = full[r0:r0 + nr, c0:c0 + nc].clone()
-                        apply_update(shard, O[r0:r0 + nr, c0:c0 + nc].contiguous(), lr, 0.1, None, shape,
-                                     (r0, nr, c0, nc))
-                        if not torch.equal(shard, exp[r0:r0 + nr, c0:c0 + nc]):
-                            bad.append((shape, float(lr), R, T, pd, g, t))
+                        view = O[r0:r0 + nr, c0:c0 + nc]
+                        for upd in (view.contiguous(), view):
+                            shard = full[r0:r0 + nr, c0:c0 + nc].clone()
+                            apply_update(shard, upd, lr, 0.1, None, shape, (r0, nr, c0, nc))
+                            if not torch.equal(shard, exp[r0:r0 + nr, c0:c0 + nc]):
+                                bad.append((shape, float(lr), R, T, pd, g, t, upd.is_contiguous()))
     assert not bad, bad[:10]
 
 

@@ -182,6 +182,15 @@ def _all_to_all(recv: Tensor, send: Tensor, recv_splits: Sequence[int], send_spl
         recv.copy_(wire_recv)
 
 
+def _rows_first(x: Tensor, buffers: dict | None, name: str) -> Tensor:
+    """``x``, or on CPU, where ``x`` is the transpose of a contiguous matrix (a tall matrix's NS result), a contiguous
+    copy of it (kept in ``buffers`` under ``name``): torch copies a whole transpose with its blocked transposing
+    kernel, while a block of the transposed view copies element by element, several times slower."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.is_contiguous() or x.stride() != (1, x.size(0)):
+        return x
+    return _buffer(buffers, name, x.numel(), x.dtype, x.device).view(x.shape).copy_(x)
+
+
 def _execute(
     route: _Route,
     inputs: Sequence[Tensor],
@@ -198,6 +207,7 @@ def _execute(
     ``hops``: the route's two-hop transport over nodes (``_nodes.TwoHops``, [Note: node-aware exchange] in
     ``overlap_muon/domain.py``) instead of one ``all_to_all_single`` over ``group``; the results are the same."""
     with torch.no_grad():
+        inputs = [_rows_first(x, buffers, f"in{k}") for k, x in enumerate(inputs)]
         send = _buffer(buffers, "send", sum(route.send_splits), dtype, device)
         for p in route.sends if hops is None else hops.sends:
             send[p.offset : p.offset + _numel(p.shape)].view(p.shape).copy_(_narrow(inputs[p.tensor], p.region))

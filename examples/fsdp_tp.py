@@ -20,8 +20,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from overlap_muon import OverlapMuon
-
-
 class Block(nn.Module):
     def __init__(self, d: int = 64) -> None:
         super().__init__()

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from overlap_muon import OverlapMuon
-
 torch.manual_seed(0)
 model = nn.Sequential(OrderedDict(up=nn.Linear(64, 256), act=nn.GELU(), down=nn.Linear(256, 64),
                                   norm=nn.LayerNorm(64), head=nn.Linear(64, 10)))  # "head": the output head, to AdamW

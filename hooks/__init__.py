@@ -4,7 +4,7 @@ No optimizer knowledge: hooks report param indices and call back; the caller dec
 """
 
 if __name__ == "hooks":  # the repository folder, found on the path from the repository root
-    raise ImportError("hooks/ is installed as overlap_muon.hooks: import overlap_muon.hooks")
+    raise ImportError("hooks/ is installed as overlap_muon._hooks: import overlap_muon._hooks")
 
 from .forward_wait import compile_boundary, fsdp_param_streams, params_read_by_module, register_forward_waits
 from .ownership import ParamOwners

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .messages import warn_user
+from ._messages import warn_user
 
 __all__ = ["OverlapMuonConfig", "ENV_VARS", "resolve_config"]
 
@@ -47,7 +47,7 @@ class OverlapMuonConfig:
     mode: str = _opt("layer_sharded", "OVERLAP_MUON_MODE", choices=("layer_sharded", "duplicated", "gram", "auto"))
     """``layer_sharded`` (NS once on a home rank), ``duplicated`` (per-param all-gather, NS on every rank),
     ``gram`` (no gather: NS in Gram space over the shards, where a matrix is split along its long side only; the
-    others layer-sharded. NOT bitwise: [Note: sharded Gram NS] in ``gram_mode.py`` states its error) or ``auto``
+    others layer-sharded. NOT bitwise: [Note: sharded Gram NS] in ``_gram_mode.py`` states its error) or ``auto``
     (per weight, the cheapest of the three by ``cost_model``'s figures; Gram only with ``allow_inexact``, so bitwise
     without it: [Note: NS strategy per weight] in ``scheduler/strategy.py``)."""
     allow_inexact: bool = _opt(False, "OVERLAP_MUON_ALLOW_INEXACT", kind=bool)
@@ -83,13 +83,13 @@ class OverlapMuonConfig:
     """Timeout of every process group the runtime creates, seconds."""
     warm_up: bool = _opt(True, "OVERLAP_MUON_WARM_UP", kind=bool)
     """At construction, run one small collective of each kind the runtime will run on each of its groups
-    ([Note: warm-up] in ``comm.py``): NCCL connects a group at its first collective, which would otherwise be the
+    ([Note: warm-up] in ``_comm.py``): NCCL connects a group at its first collective, which would otherwise be the
     first exchange, launched from a backward hook at peak activation memory. An error names the group."""
     node_size: int | None = _opt(None, "OVERLAP_MUON_NODE_SIZE", kind=int)
     """Global ranks per node (``None``: ``LOCAL_WORLD_SIZE``, which torchrun sets; without it, one node)."""
     node_exchange: str = _opt("auto", "OVERLAP_MUON_NODE_EXCHANGE", choices=("auto", "on", "off"))
     """Fused exchanges of a dense domain that spans nodes evenly run in two hops, within the node then across
-    ([Note: node-aware exchange] in ``domain.py``): at most ``(ranks per node - 1) + (nodes - 1)`` peers per rank
+    ([Note: node-aware exchange] in ``_domain.py``): at most ``(ranks per node - 1) + (nodes - 1)`` peers per rank
     instead of every rank of the domain; the same bits. ``auto`` and ``on``: wherever the domain spans nodes
     (``on`` warns where it does not); ``off``: one flat ``all_to_all``. Its homes then spread over nodes
     ([Note: homes that know nodes] in ``scheduler/homes.py``)."""
@@ -106,16 +106,16 @@ class OverlapMuonConfig:
     clipping] in ``scheduler/dispatch.py``). ``False``: every step speculates."""
     auto_overlap: bool = _opt(True, "OVERLAP_MUON_AUTO_OVERLAP", kind=bool)
     """Time a few iterations with the overlap on and off early in training, agree across ranks, and keep the faster
-    ([Note: overlap where it pays] in ``overlap_choice.py``); the same bits either way. On by default where nothing
+    ([Note: overlap where it pays] in ``_overlap_choice.py``); the same bits either way. On by default where nothing
     else decides the mode: a ``overlap``, ``async_step`` or ``wave_slots`` the user sets wins (silently; with
     ``auto_overlap`` set too, one warning says which wins)."""
     skip_nonfinite: bool = _opt(False, "OVERLAP_MUON_SKIP_NONFINITE", kind=bool)
     """Skip the whole step on every rank when any Muon gradient on any rank is non-finite."""
     syrk: bool = _opt(False, "OVERLAP_MUON_SYRK", kind=bool)
     """NS computes ``X Xᵀ`` and ``A @ A`` as symmetric block products (fewer FLOPs; not bitwise on this CPU, see
-    ``overlap_muon.ns`` [Note: symmetric Gram]), off by default."""
+    ``overlap_muon._ns`` [Note: symmetric Gram]), off by default."""
     gram_ns: bool = _opt(False, "OVERLAP_MUON_GRAM_NS", kind=bool)
-    """Matrices whose long side is at least 4 times the short one run Gram Newton-Schulz (``overlap_muon.ns``
+    """Matrices whose long side is at least 4 times the short one run Gram Newton-Schulz (``overlap_muon._ns``
     [Note: Gram Newton-Schulz]: fewer FLOPs, not bitwise, a little less accurate); the others plain NS. Team NS
     keeps the plain iteration. Off by default."""
     surplus: str = _opt("idle", "OVERLAP_MUON_SURPLUS", choices=("idle", "duplicate", "team", "auto"))
@@ -123,7 +123,7 @@ class OverlapMuonConfig:
     whose surplus plan gives every matrix every rank of the domain is gathered to all of them, each runs the NS
     and keeps its own block, and nothing is scattered back (bitwise the single-home result); ``team``: such a
     dense-domain wave is re-laid into column blocks of each matrix's long dim and the domain splits each NS by
-    columns (``overlap_muon.team_ns``: ``1/S`` of the two large products each, one Gram all-reduce per NS step;
+    columns (``overlap_muon._team_ns``: ``1/S`` of the two large products each, one Gram all-reduce per NS step;
     NOT bitwise, see there); ``auto``: per wave, the one of the two the cost model prefers (so not bitwise where it
     picks a team); a wave holding a transposed (``Conv1D``) or split matrix is duplicated instead of teamed; not
     combined with ``dp_slots`` (a warning says so, the waves run as ``idle``). With
@@ -140,11 +140,11 @@ class OverlapMuonConfig:
     dp_slots: bool = _opt(False, "OVERLAP_MUON_DP_SLOTS", kind=bool)
     """With replicate dims on the mesh (HSDP), the replicas of the dense domain share its NS work instead of each
     running all of it; results are swapped over the DP groups ([Note: DP replicas as NS slots] in
-    ``overlap_muon/comm.py``). Bitwise the same. Layer-sharded mode only."""
+    ``overlap_muon/_comm.py``). Bitwise the same. Layer-sharded mode only."""
     content_check: bool = _opt(True, "OVERLAP_MUON_CONTENT_CHECK", kind=bool)
     """``step()`` compares the bytes of every gradient and momentum buffer a wave read during backward with their
     bytes now, and re-runs the wave on any difference, whoever wrote them ([Note: content fingerprints] in
-    ``wave_state.py``). ``False``: the records alone decide (identities, version counters, wrapped collectives),
+    ``_wave_state.py``). ``False``: the records alone decide (identities, version counters, wrapped collectives),
     which miss the writers listed in docs/usage.md ("Writes the records miss")."""
     check_grad_presence: bool = _opt(True, "OVERLAP_MUON_CHECK_GRAD_PRESENCE", kind=bool)
     """Each wave agrees, over the runtime's gloo group, on which params have a gradient (host flags only)."""

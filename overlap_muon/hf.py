@@ -13,7 +13,7 @@ DDP's averaged buckets, with no callback. :class:`OverlapMuonCallback`, given th
 ``gradient_as_bucket_view=True`` before the wrap (``.grad`` is then the bucket itself: no copy, less memory) and
 attaches the optimizer (either route) when training begins. Without DDP (one process, FSDP2, Hugging Face's own
 TP/FSDP loading) it does nothing. ``Trainer``'s gradient clipping needs nothing here: a clip whose coefficient is 1
-changes no gradient and moves no counter ([Note: a clip that does not bite] in ``version_fix.py``).
+changes no gradient and moves no counter ([Note: a clip that does not bite] in ``_version_fix.py``).
 
 Usage (one line after building the ``Trainer``, on either route)::
 

@@ -2,12 +2,12 @@
 
 The torch.optim surface: ``step``, ``zero_grad``, ``no_sync``, ``state_dict`` / ``load_state_dict``,
 ``attach_ddp``, ``wait_for``, ``register_wait``, ``synchronize``, ``close``. Construction reads top to bottom in
-``builder.py`` (sort, place, check on every rank, groups, plan); the machinery (plan, hooks, launch, commit, the
-step barrier) is the :class:`~overlap_muon.runtime.Runtime`; a wave's trip is ``pipeline.py``. Only ``step()``
+``_builder.py`` (sort, place, check on every rank, groups, plan); the machinery (plan, hooks, launch, commit, the
+step barrier) is the :class:`~overlap_muon._runtime.Runtime`; a wave's trip is ``_pipeline.py``. Only ``step()``
 changes params and optimizer state.
 
 [Note: exactness] Momentum, Nesterov, the bf16 cast, weight decay and the update are elementwise
-(``overlap_muon.muon_math``), so each rank runs them on its own shard; only NS needs the whole matrix, which the
+(``overlap_muon._muon_math``), so each rank runs them on its own shard; only NS needs the whole matrix, which the
 home assembles bit for bit, and the learning-rate ratio uses the full logical shape. The result equals
 ``torch.optim.Muon`` + ``torch.optim.AdamW`` bit for bit.
 """
@@ -24,15 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import builder
+from . import _builder as builder
 from .config import resolve_config
-from .messages import rerun_warnings, warn_user
-from .ns import DEFAULT_NS_COEFFICIENTS
+from ._messages import rerun_warnings, warn_user
+from ._ns import DEFAULT_NS_COEFFICIENTS
 from .qk_clip import QKClip
-from .binding import ParamBinding
-from .runtime import StepPhase
+from ._binding import ParamBinding
+from ._runtime import StepPhase
 from .split import SplitArg
-from .state import checkpoint_errors, checkpoint_meta, init_adamw_state
+from ._state import checkpoint_errors, checkpoint_meta, init_adamw_state
 
 __all__ = ["OverlapMuon", "StepPhase"]
 
@@ -54,7 +54,7 @@ class OverlapMuon(torch.optim.Optimizer):
         adamw_kwargs: passed verbatim to the ``torch.optim.AdamW`` of the non-Muon params (default ``{}``).
         max_grad_norm: when set, ``step()`` clips every gradient by the global norm exactly as ``clip_grad_norm_``
             would, keeping the overlap where clipping does not bite ([Note: clipping and speculative waves] in
-            ``clip.py``); ``last_grad_norm`` holds the norm. Needs DTensor params or one process.
+            ``_clip.py``); ``last_grad_norm`` holds the norm. Needs DTensor params or one process.
         split: fused weights orthogonalized as their parts (split QKV, fused gate/up, per-head blocks): a mapping
             from param names (``fnmatch`` patterns) to a :class:`~overlap_muon.split.RowSplit`, or a callable
             ``(name, param) -> RowSplit | None``; equal to ``torch.optim.Muon`` on each part as its own param.
@@ -62,7 +62,7 @@ class OverlapMuon(torch.optim.Optimizer):
             bool`` callable or names; a param goes to the first group that selects it, the rest to a last group with
             ``adamw_kwargs``: ``sorting.adamw_param_groups``). They follow the Muon group in ``param_groups``.
         muon_filter: ``(name, param) -> bool`` picking Muon params; default ([Note: the default split] in
-            ``overlap_muon/sorting.py``): 2-D weights of ``nn.Linear`` and HF ``Conv1D`` modules, except embeddings
+            ``overlap_muon/_sorting.py``): 2-D weights of ``nn.Linear`` and HF ``Conv1D`` modules, except embeddings
             (and weights tied to them) and the output head. A ``Conv1D`` weight (stored ``(in, out)``) is
             orthogonalized and lr-scaled as its ``(out, in)`` transpose, whichever the filter.
         device_mesh: the ``DeviceMesh`` over which the Muon params are DTensors: ``remat_dim`` and ``tp_dim`` name
@@ -71,8 +71,8 @@ class OverlapMuon(torch.optim.Optimizer):
             is TP only when its dim is named ``tp_dim``, else remat only.
         remat_dim, tp_dim: see ``device_mesh`` (torchtitan: ``remat_dim="dp_shard"`` or ``"fsdp"``).
         tp_group, remat_group: explicit groups for plain-tensor params (each carrying ``partition_dim``; a plain
-            param without one holds the whole matrix and is replicated: [Note: replicated params] in ``placement.py``).
-        experts: the expert params (MoE), routed on their own domain ([Note: two domains] in ``discovery.py``): a
+            param without one holds the whole matrix and is replicated: [Note: replicated params] in ``_placement.py``).
+        experts: the expert params (MoE), routed on their own domain ([Note: two domains] in ``_discovery.py``): a
             pattern of names, a list of them, or a ``(name, param) -> bool`` callable; a 2-D linear of one expert, or
             a 3-D ``(E, P, Q)`` grouped weight (``E`` matrices, each as ``torch.optim.Muon`` on its own param).
         expert_mesh, ep_dim, etp_dim, etp_group: the expert params' ``DeviceMesh`` and its EP and expert-TP dims
@@ -81,7 +81,7 @@ class OverlapMuon(torch.optim.Optimizer):
         pp_dim, pp_group: pipeline parallelism, each rank building its optimizer on its own stage: the mesh dim
             whose indices hold different stages (outside every domain; the params live on the sub-mesh without
             it), or this rank's PP group for explicit groups. The construction checks then compare the ranks of a
-            stage, and ``step()`` agrees within it ([Note: pipeline stages] in ``discovery.py``). See
+            stage, and ``step()`` agrees within it ([Note: pipeline stages] in ``_discovery.py``). See
             :meth:`attach_pipeline_stage`.
         qk_clip: a :class:`~overlap_muon.qk_clip.QKClip`: after each step's updates, the query and key rows of
             the heads whose max attention logit (recorded by the model, ``qk_clip.record_max_logits``) exceeded
@@ -92,7 +92,7 @@ class OverlapMuon(torch.optim.Optimizer):
             default.
 
     Attributes:
-        domain, expert_domain: this rank's :class:`~overlap_muon.domain.Domain` (``R x T``, coordinates ``g, t``)
+        domain, expert_domain: this rank's :class:`~overlap_muon._domain.Domain` (``R x T``, coordinates ``g, t``)
             and its expert domain (``1 x ETP``; ``1 x 1`` without one); ``domain.nodes``: the two-hop groups where
             the exchanges run node-aware (``node_exchange``), else ``None``.
         stats: counters: ``ns_matrices`` (NS'd on this rank), ``ns_calls``, ``waves_launched``, ``reruns`` (inputs
@@ -160,7 +160,7 @@ class OverlapMuon(torch.optim.Optimizer):
                              doc="This rank's expert :class:`Domain` (``1 x ETP``; ``1 x 1`` without one).")
 
     def _follow_params(self) -> None:
-        """[Note: following the param groups] in ``binding.py``: re-bind when the params were replaced."""
+        """[Note: following the param groups] in ``_binding.py``: re-bind when the params were replaced."""
         if self._binding.follow():
             self._link_adamw()
 
@@ -188,7 +188,7 @@ class OverlapMuon(torch.optim.Optimizer):
         """The optimizer state, ``torch.optim.Optimizer.state``: ``state[param]`` holds ``"momentum_buffer"`` (Muon,
         sharded as its param) or AdamW's ``"step"``, ``"exp_avg"``, ``"exp_avg_sq"``. It may be edited, cleared or
         replaced (``opt.state = defaultdict(dict)``) between steps or between backward and ``step()``, as with
-        torch's optimizers: the next step uses what it holds then ([Note: a wave's reads] in ``wave_state.py``). With
+        torch's optimizers: the next step uses what it holds then ([Note: a wave's reads] in ``_wave_state.py``). With
         ``async_step``, reading or setting it first waits for the last step's updates (CPU: the host waits; CUDA:
         the current stream), so that an edit lands after them, as it would after torch's ``step()``."""
         self._await_updates()
@@ -308,7 +308,7 @@ class OverlapMuon(torch.optim.Optimizer):
         """Waits for in-flight waves, then ``Optimizer.state_dict()`` plus an ``"overlap_muon"`` entry (the Muon
         param names, full shapes and partition dims that :meth:`load_state_dict` checks). Muon momentum stays
         sharded as the params are; a param has state from its first gradient on ([Note: lazy state] in
-        ``overlap_muon/state.py``)."""
+        ``overlap_muon/_state.py``)."""
         self._follow_params()
         self.synchronize()
         sd = super().state_dict()

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .domain import Domain
+from ._domain import Domain
 
-from .layout import block
-from .sorting import name_matches
+from ._layout import block
+from ._sorting import name_matches
 from .split import QKVSplit
 
 try:

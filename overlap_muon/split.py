@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .layout import block
-from .sorting import name_matches
+from ._layout import block
+from ._sorting import name_matches
 
 __all__ = ["RowSplit", "QKVSplit", "GateUpSplit", "HeadSplit", "resolve_split", "strided_parts", "apply_runs"]
 
@@ -167,7 +167,7 @@ def apply_runs(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, int
     Args:
         parts: the matrix's row sets (:func:`resolve_split`), or ``None``.
         full_shape: ``(P, Q)`` of the full (fused) matrix.
-        shard: ``(row0, rows, col0, cols)`` of this rank's shard in it (``overlap_muon.layout.block``).
+        shard: ``(row0, rows, col0, cols)`` of this rank's shard in it (``overlap_muon._layout.block``).
     """
     row0, rows, col0, cols = shard
     if parts is None:

@@ -5,7 +5,7 @@ function of its inputs, so all ranks compute the same one without communicating.
 """
 
 if __name__ == "scheduler":  # the repository folder, found on the path from the repository root
-    raise ImportError("scheduler/ is installed as overlap_muon.scheduler: import overlap_muon.scheduler")
+    raise ImportError("scheduler/ is installed as overlap_muon._scheduler: import overlap_muon._scheduler")
 
 from .cost import ns_flops
 from .dispatch import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher

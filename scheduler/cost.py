@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..layout import gram_wins
+from .._layout import gram_wins
 
 __all__ = ["ns_flops", "gram_ns_flops", "ns_cost"]
 
@@ -57,7 +57,7 @@ def ns_flops(shape: tuple[int, int], ns_steps: int = 5) -> int:
 
 
 def gram_ns_flops(shape: tuple[int, int], ns_steps: int = 5, restarts: int = 1) -> int:
-    """FLOPs of Gram Newton-Schulz on a full ``(P, Q)`` matrix (``overlap_muon.ns.gram_zeropower``, [Note: Gram
+    """FLOPs of Gram Newton-Schulz on a full ``(P, Q)`` matrix (``overlap_muon._ns.gram_zeropower``, [Note: Gram
     Newton-Schulz]).
 
     With ``m = min(P, Q)``, ``n = max(P, Q)`` and ``s = restarts + 1`` segments: ``R0 = X Xᵀ`` (``2m²n``), per
@@ -80,6 +80,6 @@ def gram_ns_flops(shape: tuple[int, int], ns_steps: int = 5, restarts: int = 1) 
 
 def ns_cost(shape: tuple[int, int], ns_steps: int = 5, gram: bool = False) -> int:
     """FLOPs of the NS the runtime runs on ``shape``: Gram NS where ``gram`` and the per-shape rule pick it
-    (``overlap_muon.layout.gram_wins``), else :func:`ns_flops`."""
+    (``overlap_muon._layout.gram_wins``), else :func:`ns_flops`."""
     return gram_ns_flops(shape, ns_steps) if gram and gram_wins(shape) else ns_flops(shape, ns_steps)
 

@@ -1,7 +1,7 @@
 """Wave plans: each wave with everything about how it runs, decided once, at construction (pure planning).
 
 A :class:`WavePlan` is frozen data: the wave (params, homes, domain), its exchange kind and the kind's settings.
-The runtime builds one exchange per plan (``overlap_muon.exchanges``) and never decides a wave's kind later; every
+The runtime builds one exchange per plan (``overlap_muon._exchanges``) and never decides a wave's kind later; every
 rank computes the same plans from the same inputs, and the construction check hashes them
 (:meth:`WavePlan.describe`).
 """
@@ -17,7 +17,7 @@ from .waves import Wave
 
 __all__ = ["WavePlan", "KINDS", "plan_kinds"]
 
-#: The exchange kinds a plan can name (``overlap_muon.exchanges`` has one class per kind).
+#: The exchange kinds a plan can name (``overlap_muon._exchanges`` has one class per kind).
 KINDS = ("routed", "gathered", "team", "dp_shared")
 
 

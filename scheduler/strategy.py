@@ -10,7 +10,7 @@
   per weight of an ``S``-matrix wave).
 - ``duplicated``: every rank all-gathers the matrix (receives ``(S-1) * s``), runs the whole NS, keeps its block:
   ``ns_flops / rate`` on every rank, one fused collective.
-- ``gram`` (NOT bitwise; [Note: sharded Gram NS] in ``overlap_muon/gram_mode.py``): no gather; every rank forms
+- ``gram`` (NOT bitwise; [Note: sharded Gram NS] in ``overlap_muon/_gram_mode.py``): no gather; every rank forms
   its block's ``m x m`` Gram (``2*m*m*n/S`` FLOPs), ``ceil(ns_steps / k)`` fp32 all-reduces of it (a ring: ``2 *
   (S-1)/S * 4*m*m`` bytes each, one latency each, per matrix), the iteration on ``m x m`` fp32 matrices (``8*m**3``
   FLOPs a step) and the polynomial applied to its block at each restart and at the end (``2*m*m*n/S``), all at

@@ -12,7 +12,7 @@ critical path] in docs/design.md). :func:`plan_surplus` gives those ranks work u
     unchanged; the way back fans out from ``k`` ranks instead of one, and duplicates on other nodes turn the
     inter-node part of the return into intra-node traffic.
 ``team``
-    ``k`` ranks split one matrix's NS by columns of the long dim (``overlap_muon.team_ns``, [Note: team NS by
+    ``k`` ranks split one matrix's NS by columns of the long dim (``overlap_muon._team_ns``, [Note: team NS by
     columns]): each holds a column block of ``X`` (after the tall transpose) and per NS step all-reduces its
     partial Gram ``A`` (``m x m``); ``A @ A`` is computed whole by every member. The two large products are
     ``1/k``; the all-reduces cost bandwidth and ``ns_steps + 1`` latencies (with the norm's).
@@ -35,7 +35,7 @@ of the matrix first; then by rank. Everything is deterministic, so every rank co
 (``auto``: per wave, the cheaper of the two by the cost model). ``duplicate`` runs those as gathers (every
 rank receives every matrix of the wave, ``all_gather``, runs each NS and keeps its own block: no exchange back);
 ``team`` re-lays each matrix into column blocks of the long dim over the whole domain (``to_team``), splits each NS
-by columns (``overlap_muon.team_ns.team_zeropower_blocks`` on a group of the compute lane) and re-lays the results
+by columns (``overlap_muon._team_ns.team_zeropower_blocks`` on a group of the compute lane) and re-lays the results
 into the shards (``from_team``): no home and no gather. With fused exchanges, ``duplicate`` (and ``auto``) plans
 that give a matrix ``k`` of ``S`` ranks run too (:func:`duplicate_homes`: the exchange to the homes lists the matrix
 once per home, each home runs its NS, and the exchange back sends each rank its block from its serving home only,
@@ -48,15 +48,15 @@ below say how the wave pipeline is meant to act on a plan in general:
    can be computed once per step at construction, since shapes and wave order are fixed).
 2. ``kind == "single"``: today's path.
 3. ``kind == "duplicate"``: the to-home exchange sends each rank's shard to every rank of ``a.ranks``; each runs
-   ``overlap_muon.ns.zeropower`` on the same bits and so gets the same bits (bitwise parity holds); on the way
+   ``overlap_muon._ns.zeropower`` on the same bits and so gets the same bits (bitwise parity holds); on the way
    back rank ``r`` takes its block from ``serving_homes(a, S, ranks_per_node)[r]`` only.
 4. ``kind == "team"``: member ``j = a.ranks[j]`` receives column block ``j`` (:func:`team_row_counts` of
    ``max(P, Q)`` over ``len(a.ranks)``) of the ORIENTED matrix (the transpose of a tall update), calls
-   ``overlap_muon.team_ns.team_zeropower_blocks([block], [norm], team_group)`` and sends the parts of its result
+   ``overlap_muon._team_ns.team_zeropower_blocks([block], [norm], team_group)`` and sends the parts of its result
    block back to their shard owners (what ``to_team`` / ``from_team`` do for a team of the whole domain).
    ``team_group`` must exist on every member: ``dist.new_group`` is collective over the whole world, so create one
    per distinct team at construction (the plans are known then). Not bitwise in general (see
-   ``overlap_muon/team_ns.py``), which the parity tests must say.
+   ``overlap_muon/_team_ns.py``), which the parity tests must say.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..layout import team_row_counts
+from .._layout import team_row_counts
 from . import surplus_cost as _surplus_cost
 from .cost import _check_shape
 from .homes import _check_num_ranks
@@ -305,7 +305,7 @@ def every_rank_kinds(
     """The waves whose ``policy`` plan gives every matrix of the wave every rank of its domain, all of one kind,
     with that kind: ``{wave index: "duplicate" | "team"}``. The runtime's ``surplus=`` option runs exactly those
     (``duplicate``: every rank gathers the wave's matrices and runs each whole NS; ``team``: the domain splits each
-    NS by columns, ``overlap_muon.team_ns``; then each keeps its own block). ``policy="auto"`` keeps the kind the
+    NS by columns, ``overlap_muon._team_ns``; then each keeps its own block). ``policy="auto"`` keeps the kind the
     cost model prefers for each wave ([Note: surplus cost model]). A wave that fills its domain has no surplus and
     stays single-homed; plans that give a matrix ``k`` of ``S`` ranks are left to :func:`duplicate_homes`
     ([Note: runtime wiring]).

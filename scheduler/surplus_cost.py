@@ -202,7 +202,7 @@ def _team_ns_s(shape: tuple[int, int], k: int, frac_same: float, cm: SurplusCost
 
 def team_splits_poly(shape: tuple[int, int], k: int, cost_model: SurplusCostModel | None = None) -> bool:
     """Whether a team of ``k`` (on one node) should split ``B = b*A + c*A@A`` by rows and all-gather it, rather
-    than have every member compute all of it (``overlap_muon.team_ns`` [Note: team NS by columns]): the
+    than have every member compute all of it (``overlap_muon._team_ns`` [Note: team NS by columns]): the
     ``2*m**3 * (k-1)/k`` FLOPs saved per step against one all-gather of ``(k-1)/k`` of the ``m x m`` ``B``."""
     _check_shape(shape)
     return k > 1 and _team_ns_s(tuple(shape), k, 1.0, cost_model or SurplusCostModel())[1]

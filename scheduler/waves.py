@@ -143,7 +143,7 @@ def plan_by_domain(
     plan_one: Callable[[list[int], list[int], int], list[Wave]],
 ) -> list[Wave]:
     """One launch order for params routed on several domains (dense and expert: [Note: two domains] in
-    ``overlap_muon/discovery.py``).
+    ``overlap_muon/_discovery.py``).
 
     Each domain's params are planned on their own by ``plan_one(sub_order, members, domain)``, where ``members``
     lists the domain's param indices (ascending) and ``sub_order`` is their readiness order as positions in

@@ -87,9 +87,9 @@ def cuda_tests(out_dir: str, timeout_s: int, env: dict | None = None, select: st
 
 
 def ns_vs_bmm(device: torch.device, shapes: list[tuple[int, int]], reps: int) -> list[dict]:
-    """bf16 TFLOP/s of one-matrix NS (``overlap_muon.ns.zeropower``) vs the same matmuls as plain ``torch.bmm``."""
-    from overlap_muon.ns import zeropower
-    from overlap_muon.scheduler.cost import ns_flops
+    """bf16 TFLOP/s of one-matrix NS (``overlap_muon._ns.zeropower``) vs the same matmuls as plain ``torch.bmm``."""
+    from overlap_muon._ns import zeropower
+    from overlap_muon._scheduler.cost import ns_flops
 
     rows = []
     for m, n in shapes:
@@ -131,7 +131,6 @@ def exposed_fraction(device: torch.device, layers: int, d: int, tokens: int, ite
     """``(t_on - t_none) / (t_off - t_none)`` of a ``layers``-block model of width ``d`` at world 1, and a timeline
     picture of the overlapped step from a ``torch.profiler`` trace."""
     from overlap_muon import OverlapMuon
-
     x = torch.randn(tokens // 512 or 1, 512 if tokens >= 512 else tokens, d, device=device)
     models, opts = {}, {}
     for name in ("none", "off", "on", "async"):  # on: the default step (barrier); async: async_step=True

@@ -73,7 +73,7 @@ def second_optimizer(device: torch.device, world: int) -> dict:
 def all_gather_race(device: torch.device, world: int) -> dict:
     if device.type != "cuda":
         return {"skipped": "no CUDA streams on CPU"}
-    import overlap_muon.forward_waits as waits
+    import overlap_muon._forward_waits as waits
 
     real = waits.fsdp_param_streams
     x = torch.randn(32, 256, device=device, generator=torch.Generator(device).manual_seed(0))

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from overlap_muon import OverlapMuon
-
 HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 
 
@@ -105,7 +104,7 @@ def races(device: torch.device, small: bool, out: str) -> dict:
     """Random delays (``torch.cuda._sleep``) at the start of every lane task, and after each step blocks of the
     wave's sizes allocated on every stream and filled with NaN (a block reused too early would then corrupt an
     update): the params after 6 steps bitwise equal those of ``overlap=False``."""
-    from overlap_muon.lanes import Lanes
+    from overlap_muon._lanes import Lanes
 
     d, layers, x = _inputs(device, small, 1024, 64)
     steps = 3 if small else 6
@@ -171,9 +170,9 @@ def memory(device: torch.device, small: bool, out: str) -> dict:
 def sync_debug(device: torch.device, small: bool, out: str) -> dict:
     """Steps 2-4 of the default and ``async_step`` loops under ``set_sync_debug_mode``: with ``content_check=False``
     in ``"error"`` mode (no host sync anywhere); the default counted in ``"warn"`` mode (its content check reads
-    one flag per step on the host, [Note: content fingerprints] in ``overlap_muon/wave_state.py``); each also with a
+    one flag per step on the host, [Note: content fingerprints] in ``overlap_muon/_wave_state.py``); each also with a
     user ``clip_grad_norm_`` that does not bite between backward and ``step()``, and with ``max_grad_norm`` (neither
-    reads its coefficient on the host: [Note: a clip that does not bite] in ``overlap_muon/version_fix.py``)."""
+    reads its coefficient on the host: [Note: a clip that does not bite] in ``overlap_muon/_version_fix.py``)."""
     if _cuda_only(device):
         return _cuda_only(device)
     d, layers, x = _inputs(device, small, 1024, 64)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from overlap_muon import OverlapMuon
-
 __all__ = ["TestingSeam", "SeamedOverlapMuon", "attach"]
 
 

@@ -172,7 +172,7 @@ def test_superseded_launches_never_read_as_more_reruns_than_waves():
     import warnings
     from collections import defaultdict
 
-    from overlap_muon.messages import rerun_warnings
+    from overlap_muon._messages import rerun_warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -242,12 +242,11 @@ def test_clip_on_a_device_reads_no_coefficient(monkeypatch, how, content_check):
     """Bug: the process-wide wrapper of ``clip_grads_with_norm_`` read the clip coefficient on the host in every
     user clip (on CUDA a sync per ``clip_grad_norm_`` call, also in loops without OverlapMuon), and so did
     ``max_grad_norm`` in every step. Now, where that read is not free ([Note: a clip that does not bite] in
-    ``version_fix.py``; CPU patched to act as a device here), the gradients are multiplied as always; the waves the
+    ``_version_fix.py``; CPU patched to act as a device here), the gradients are multiplied as always; the waves the
     clip moved are judged by their content fingerprints, and held steps by the clip's flag read behind an event.
     Same bits, same schedule as with the host read: a clip that does not bite re-runs nothing. Without the content
     check every clipped wave re-runs (exact, slower)."""
-    from overlap_muon import clip, version_fix
-
+    from overlap_muon import _clip as clip, _version_fix as version_fix
     def packs_done(opt):  # a pack that ran after the clip read the clipped bytes: no re-run, and no hold after it
         for st in list(opt._rt.pipeline._pending.values()):
             if st.h_pack is not None:

@@ -322,7 +322,7 @@ def test_fsdp_tp_2x2_overlap_equals_sync(case):
     """Also: a plain loop re-runs nothing (FSDP2 and TP leave the gradients alone once their hooks fired), so
     the overlap is kept; clipping and a changed momentum re-run waves. ``foreach``/``clip_value``: bug, the
     in-place foreach ops that torch's clipping uses moved no DTensor version counter, so the waves computed from
-    the unclipped gradients were committed silently; ``overlap_muon.version_fix`` now makes them bump it."""
+    the unclipped gradients were committed silently; ``overlap_muon._version_fix`` now makes them bump it."""
     res = run_ranks(_fsdp_tp_body, 4, case, timeout=150)
     assert all(not bad for bad, _ in res), res
     assert all((reruns == 0) == (case in ("plain", "probe")) for _, reruns in res), res
@@ -414,7 +414,7 @@ def _clip_norm_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from overlap_muon.clip import clip_grads_by_total_norm_
+    from overlap_muon._clip import clip_grads_by_total_norm_
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(0)
@@ -489,8 +489,7 @@ def _clip_dtensor_tp_body(rank, world, bound=0.5, on_device=False):
     a device (no host read of its coefficient)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from overlap_muon import version_fix
-
+    from overlap_muon import _version_fix as version_fix
     if on_device:
         version_fix.host_read_free = lambda device: False
     from torch.distributed.tensor import Replicate
@@ -558,8 +557,7 @@ def _version_fix_body(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from overlap_muon import version_fix
-
+    from overlap_muon import _version_fix as version_fix
     mesh = init_device_mesh("cpu", (1,))
     version_fix.install(mesh)
     g = distribute_tensor(torch.arange(16.0).view(4, 4), mesh, [Shard(0)])
@@ -592,8 +590,7 @@ def _version_fix_body(rank, world):
 def _version_fix_lifetime_body(rank, world):
     import logging
 
-    from overlap_muon import version_fix
-
+    from overlap_muon import _version_fix as version_fix
     records = []
     handler = logging.Handler()
     handler.emit = records.append

@@ -10,10 +10,10 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
 from overlap_muon import OverlapMuon
 from overlap_muon.config import resolve_config
-from overlap_muon.ns import zeropower
+from overlap_muon._ns import zeropower
 from tests.seams import SeamedOverlapMuon, TestingSeam
 from overlap_muon.config import ENV_VARS
-from overlap_muon.scheduler import load_report, lpt_homes, ns_flops, round_robin_homes
+from overlap_muon._scheduler import load_report, lpt_homes, ns_flops, round_robin_homes
 from tests.dist_utils import run_ranks
 from tests.models import block
 
@@ -86,10 +86,10 @@ def test_boolean_toggles(var):
 def test_cost_model_is_a_visible_choice():
     """The surplus plan's machine figures are a config field: ``auto`` follows the lanes (CUDA streams or not), a
     named one holds on any device, anything else is an error naming the variable."""
-    from overlap_muon.builder import cost_model as _cost_model
-    from overlap_muon.scheduler import SurplusCostModel
-    from overlap_muon.scheduler.surplus import CPU_GLOO
-    from overlap_muon.scheduler.surplus_cost import PROFILES
+    from overlap_muon._builder import cost_model as _cost_model
+    from overlap_muon._scheduler import SurplusCostModel
+    from overlap_muon._scheduler.surplus import CPU_GLOO
+    from overlap_muon._scheduler.surplus_cost import PROFILES
 
     assert resolve_config({}).cost_model == "auto"
     assert resolve_config({"OVERLAP_MUON_COST_MODEL": "cuda"}).cost_model == "cuda"

@@ -56,7 +56,7 @@ def test_inline_lanes_bitwise_equal_torch_muon():
 
 
 def test_backward_captured_in_a_cuda_graph_launches_in_step():
-    """[Note: CUDA graph capture] in overlap_muon/wiring.py: forward + backward captured in a CUDA graph (as
+    """[Note: CUDA graph capture] in overlap_muon/_wiring.py: forward + backward captured in a CUDA graph (as
     torchtitan does by default) and replayed; the hooks launch nothing during capture and nothing runs them on
     replay, so step() launches every wave: bitwise torch.optim.Muon, one warning."""
     torch.manual_seed(0)
@@ -168,7 +168,7 @@ def _fsdp_model(d: int = 512):
 def _fsdp_no_sync(rank, world):
     model, mesh = _fsdp_model()
     # content_check=False: the check reads one flag per step on the host by design ([Note: content fingerprints]
-    # in overlap_muon/wave_state.py); the rest of backward and step() must not sync.
+    # in overlap_muon/_wave_state.py); the rest of backward and step() must not sync.
     opt = OverlapMuon(model, device_mesh=mesh, content_check=False, **HP)
     x = torch.randn(32, 512, device="cuda")
     model(x).sum().backward()  # warm-up: FSDP2 lazy init, allocator, cuBLAS handles
@@ -195,8 +195,8 @@ def test_fsdp2_overlap_step_has_no_host_sync():
 
 
 def _fsdp_race(rank, world, patch_streams):
-    import overlap_muon.hooks.forward_wait as fw
-    import overlap_muon.forward_waits as om
+    import overlap_muon._hooks.forward_wait as fw
+    import overlap_muon._forward_waits as om
     
     if patch_streams:  # the defect: only the current stream waits, FSDP2's copy-in stream does not
         om.fsdp_param_streams = lambda module: []

@@ -1,6 +1,6 @@
 """MoE experts on their own domain: grouped 3-D ``(E, P, Q)`` weights and per-expert linears, sharded over
 EP x ETP beside a dense remat x TP domain, bitwise equal to ``torch.optim.Muon`` on every expert matrix as its own
-param ([Note: two domains] in ``overlap_muon/discovery.py``)."""
+param ([Note: two domains] in ``overlap_muon/_discovery.py``)."""
 
 from __future__ import annotations
 
@@ -288,7 +288,6 @@ def test_expert_selector_mistakes_are_errors():
     """A pattern that matches nothing, and a bias stack caught by a broad pattern, are errors (not AdamW params or
     matrices in silence); a split entry may name one matrix of a grouped weight by its exact name."""
     from overlap_muon import GateUpSplit
-
     model = nn.Module()
     model.experts = nn.Module()
     model.experts.w13 = nn.Parameter(torch.randn(2, 8, 4))

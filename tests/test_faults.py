@@ -65,7 +65,7 @@ def _new_group_timeouts(make):
 
 def _groups_per_rank(R, T):
     """Groups the runtime creates that hold a given rank: (remat, tp, flat) for the to-home and the from-home
-    lane ([Note: one process-group set per communicating lane] in lanes.py) + the control group; size-1 groups
+    lane ([Note: one process-group set per communicating lane] in _lanes.py) + the control group; size-1 groups
     are not created."""
     return 2 * ((R > 1) + (T > 1) + 1) + 1
 

@@ -1,5 +1,5 @@
 """The optimizer follows params replaced after it was built ([Note: following the param groups] in
-``overlap_muon/binding.py``).
+``overlap_muon/_binding.py``).
 
 Accelerate's FSDP2 preparation builds the optimizer first, then ``fully_shard``s the model and swaps every
 ``param_groups`` entry for its sharded param; a user may also ``fully_shard`` by hand after building it. Before the

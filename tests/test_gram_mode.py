@@ -1,6 +1,6 @@
-"""[Note: sharded Gram NS] (``overlap_muon/gram_mode.py``): NS of a matrix split over ranks, in Gram space, without a
+"""[Note: sharded Gram NS] (``overlap_muon/_gram_mode.py``): NS of a matrix split over ranks, in Gram space, without a
 gather. Not bitwise; the bound held here: its relative Frobenius error against a float64 NS (the same iteration on
-the unsharded matrix) is at most plain bf16 NS's (``overlap_muon.ns.zeropower``) on full-rank, rank-16 and
+the unsharded matrix) is at most plain bf16 NS's (``overlap_muon._ns.zeropower``) on full-rank, rank-16 and
 ill-conditioned (condition 1e6) matrices, wide, square and tall, uneven and empty blocks, at world 1, 2 and 4, for
 ``restart_every`` 1 (re-formed every step), 2, 4 (Refresh-4) and 5 (gram_once). Measured at world 1 (2-core AMD
 EPYC, fp32 Gram and iteration): 0.21 to 0.32 of plain bf16 NS's error on full-rank matrices, 0.54 to 0.72 on the
@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap_muon.gram_mode import gram_collectives, sharded_gram_zeropower
+from overlap_muon._gram_mode import gram_collectives, sharded_gram_zeropower
 from overlap_muon.apps.bench.step import ns_float64
-from overlap_muon.ns import zeropower
+from overlap_muon._ns import zeropower
 from tests.dist_utils import run_ranks
 
 
@@ -102,7 +102,7 @@ def _runtime_body(rank: int, world: int, overlap: bool, k: int) -> tuple[list[fl
     a wide one split by rows (its Gram would be the larger one: layer-sharded, bitwise torch). Returns per param the
     largest difference from ``torch.optim.Muon`` on the full matrices after 3 steps, its bound, the stats, and the
     plan's kinds."""
-    from overlap_muon import OverlapMuon, gram_mode
+    from overlap_muon import OverlapMuon, _gram_mode as gram_mode
     from tests.models import HP, PlainTPPair, explicit_groups
 
     tp, _ = explicit_groups(1, world, 0, rank)

@@ -1,4 +1,4 @@
-"""Gram Newton-Schulz (``gram_ns``, [Note: Gram Newton-Schulz] in ``overlap_muon/ns.py``).
+"""Gram Newton-Schulz (``gram_ns``, [Note: Gram Newton-Schulz] in ``overlap_muon/_ns.py``).
 
 Not bitwise plain NS, so: its error against a float64 NS beside plain bf16 NS's; the per-shape choice; and every
 layout that runs NS on whole matrices bitwise equal to one process running ``torch.optim.Muon``'s loop with the same
@@ -16,7 +16,7 @@ from torch import nn
 
 from overlap_muon import GateUpSplit, OverlapMuon
 from overlap_muon.apps.bench.ns import ns_float64
-from overlap_muon.ns import gram_wins, gram_zeropower, zeropower
+from overlap_muon._ns import gram_wins, gram_zeropower, zeropower
 from tests.dist_utils import run_ranks
 from tests.models import HP
 

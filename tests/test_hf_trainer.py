@@ -3,7 +3,7 @@
 Each case trains a tiny ``LlamaForCausalLM`` twice with the same ``TrainingArguments`` (same seed, so the same
 batches): once with ``OverlapMuon``, once with ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the same split, and
 compares the weights with ``torch.equal``. It also counts the waves re-run in ``step()``: before [Note: a clip that
-does not bite] (``overlap_muon/version_fix.py``) and :class:`overlap_muon.hf.OverlapMuonCallback`, every wave of
+does not bite] (``overlap_muon/_version_fix.py``) and :class:`overlap_muon.hf.OverlapMuonCallback`, every wave of
 every step re-ran under ``Trainer``, whatever ``max_grad_norm``.
 """
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap_muon.hooks import GradReadyTracker, ddp_readiness_hook, register_forward_waits
+from overlap_muon._hooks import GradReadyTracker, ddp_readiness_hook, register_forward_waits
 from tests.dist_utils import run_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The lanes (``overlap_muon/lanes.py``) on CPU.
+"""The lanes (``overlap_muon/_lanes.py``) on CPU.
 
 [Note: a waiting thread helps]: the thread that waits for the lanes runs the compute lane's queued NS tasks from the
 back, once each, and nothing else. Bug it answers: on a 2-core machine at world 1, ``step()`` sat idle in the barrier
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from overlap_muon import OverlapMuon
-from overlap_muon.lanes import Lanes
+from overlap_muon._lanes import Lanes
 from tests.models import HP, Deep, train_pair
 from tests.seams import SeamedOverlapMuon, TestingSeam
 

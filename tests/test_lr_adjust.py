@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from overlap_muon import OverlapMuon
-from overlap_muon.ns import adjusted_lr
+from overlap_muon._ns import adjusted_lr
 
 _SHAPES = [(256, 256), (1024, 256), (256, 1024), (688, 256), (128, 256), (3, 7), (0, 5)]
 

@@ -14,10 +14,10 @@ import weakref
 import pytest
 import torch
 
-import overlap_muon.exchanges as exchanges_mod
-import overlap_muon.muon_math as math_mod
-import overlap_muon.ns as ns_mod
-import overlap_muon.pipeline as pipeline_mod
+import overlap_muon._exchanges as exchanges_mod
+import overlap_muon._muon_math as math_mod
+import overlap_muon._ns as ns_mod
+import overlap_muon._pipeline as pipeline_mod
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, TinyNet, build_dtensor_model
@@ -117,8 +117,8 @@ def test_cuda_release_policy_frees_a_wave_when_the_step_has_waited(monkeypatch):
     the step's barrier has made the current stream wait on its apply, not at the next ``step()``: after
     ``step(); zero_grad()`` nothing of the step is alive. Before, the states waited for ``reap()`` at the next
     ``step()``, through the next forward and backward."""
-    from overlap_muon.lanes import LaneHandle
-    from overlap_muon.wave_state import LateRelease
+    from overlap_muon._lanes import LaneHandle
+    from overlap_muon._wave_state import LateRelease
 
     torch.manual_seed(0)
     model = TinyNet()

@@ -57,8 +57,7 @@ def test_warnings_skip_the_import_machinery_and_stop_at_the_jobs():
     """Under ``torchrun -m overlap_muon.apps.train`` the misspelt-variable warning named ``<frozen runpy>``: frames of
     the import machinery are skipped, and the project's own jobs count as the user's code."""
     import overlap_muon.apps.train as train
-    from overlap_muon import messages
-
+    from overlap_muon import _messages as messages
     runner = compile("resolve_config({'OVERLAP_MUON_OVRELAP': '0'})", "<frozen runpy>", "exec")
     got = _caught(lambda: exec(runner, {"resolve_config": resolve_config}))
     assert len(got) == 1 and got[0].filename == __file__, [x.filename for x in got]
@@ -166,8 +165,7 @@ def test_split_summary_shown_once_without_logging_setup(caplog):
     how to see the table; with INFO on, the table itself."""
     import logging
 
-    from overlap_muon import builder
-
+    from overlap_muon import _builder as builder
     builder._SPLIT_SHOWN.clear()
     caplog.set_level(logging.WARNING, logger="overlap_muon")
     for _ in range(2):
@@ -186,7 +184,7 @@ def test_a_rerun_by_fsdp2_accumulation_names_its_fix():
     switch (set_requires_gradient_sync), not the generic advice for collectives; other collectives keep theirs."""
     from collections import defaultdict
 
-    from overlap_muon.messages import rerun_warnings
+    from overlap_muon._messages import rerun_warnings
 
     for op, must in (("reduce_scatter_single", "set_requires_gradient_sync(False)"), ("all_reduce", "attach_ddp")):
         stats = defaultdict(int, {f"reruns.grad_edited:collective:{op}": 3, "steps": 1})

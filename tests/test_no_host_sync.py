@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import overlap_muon.lanes as lanes_mod
+import overlap_muon._lanes as lanes_mod
 from overlap_muon import OverlapMuon
 from tests.dist_utils import run_ranks
 from tests.models import ADAMW_KW, HP, PlainShardNet, TinyNet, build_dtensor_model, plain_opt

@@ -1,5 +1,5 @@
-"""Scale: node-aware exchanges ([Note: node-aware exchange] in overlap_muon/domain.py), homes that know nodes and the
-warm-up of every group at construction ([Note: warm-up] in overlap_muon/comm.py), at world 4 as 2 nodes of 2."""
+"""Scale: node-aware exchanges ([Note: node-aware exchange] in overlap_muon/_domain.py), homes that know nodes and the
+warm-up of every group at construction ([Note: warm-up] in overlap_muon/_comm.py), at world 4 as 2 nodes of 2."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap_muon.comm import domain_from_layouts, node_spans
+from overlap_muon._comm import domain_from_layouts, node_spans
 from overlap_muon.layer_sharded_a2a import from_homes, local_shard, to_homes
 from tests.dist_utils import run_ranks
 from tests.test_routing import SPECS, _Count, _full
@@ -160,7 +160,7 @@ def test_node_aware_training_is_bitwise_the_fused(kind, world4):
 
 
 def _warm(rank, warm):
-    import overlap_muon.binding as binding
+    import overlap_muon._binding as binding
     from tests.models import PlainShardNet, plain_opt
 
     calls = []
@@ -237,8 +237,8 @@ def _one_rank_warm_up(rank, device, backend):
     every rank makes them; rank 0 runs the warm-up)."""
     import time
 
-    from overlap_muon.comm import CommContext, warm_up
-    from overlap_muon.domain import Domain
+    from overlap_muon._comm import CommContext, warm_up
+    from overlap_muon._domain import Domain
 
     g = [dist.new_group([0], backend=backend) for _ in range(4)]
     if rank != 0:

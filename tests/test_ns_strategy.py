@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap_muon.scheduler.strategy import pick_strategies, strategy_costs
-from overlap_muon.scheduler.surplus_cost import PROFILES, SurplusCostModel
+from overlap_muon._scheduler.strategy import pick_strategies, strategy_costs
+from overlap_muon._scheduler.surplus_cost import PROFILES, SurplusCostModel
 from tests.dist_utils import run_ranks
 
 H200 = PROFILES["h200"]
@@ -46,7 +46,7 @@ def _body(rank: int, world: int, forced: list[str] | None, allow_inexact: bool, 
     """Plain TP shards (wide split by columns, tall by rows: Gram-able; wide by rows: not), ``mode="auto"`` with the
     cost model's picks or ``forced`` ones; returns per param the largest difference from ``torch.optim.Muon`` after
     3 steps, the picks of every rank and the stats."""
-    from overlap_muon import OverlapMuon, ns_strategy
+    from overlap_muon import OverlapMuon, _ns_strategy as ns_strategy
     from tests.models import HP, PlainTPPair, explicit_groups
 
     tp, _ = explicit_groups(1, world, 0, rank)

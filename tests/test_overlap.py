@@ -297,7 +297,7 @@ def _captured(rank, world):
     net = PlainShardNet(1, 1, 0, 0)
     opt = plain_opt(net, 1, 1, 0, 0, overlap=True)
     capturing = [True]
-    opt._rt.pipeline.lanes.capturing = lambda: capturing[0]  # [Note: CUDA graph capture] in overlap_muon/wiring.py
+    opt._rt.pipeline.lanes.capturing = lambda: capturing[0]  # [Note: CUDA graph capture] in overlap_muon/_wiring.py
     bad = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -327,7 +327,7 @@ def test_captured_backward_launches_in_step():
 def _auto(rank, world, R, T, prefer):
     """auto_overlap with this rank's trial medians patched (``prefer[rank]``: (on, off) seconds): bitwise torch at
     the end, the agreed choice (the largest of each over the ranks) kept, waves launched in backward iff it is on."""
-    from overlap_muon.overlap_choice import OverlapChoice, TRIAL
+    from overlap_muon._overlap_choice import OverlapChoice, TRIAL
 
     g, t = divmod(rank, T)
     steps = 2 * TRIAL + 5
@@ -715,7 +715,7 @@ def _posted_checks(rank, world, split):
     a gradient on one rank only is still a ValueError on every rank at ``step()``. As under NCCL, the checks get a
     gloo group of their own (a gloo job's control group is the exchange's group, where posting is off)."""
     import dataclasses
-    from overlap_muon.agreement import Agreement
+    from overlap_muon._agreement import Agreement
 
     blocking = Agreement.check_wave
     Agreement.check_wave = lambda self, st, dom: (_ for _ in ()).throw(AssertionError("a blocking check ran"))

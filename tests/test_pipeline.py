@@ -1,6 +1,6 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: every rank builds an ``OverlapMuon`` on its own stage.
 
-[Note: pipeline stages] (``overlap_muon/discovery.py``) makes the construction checks and ``step()``'s agreement
+[Note: pipeline stages] (``overlap_muon/_discovery.py``) makes the construction checks and ``step()``'s agreement
 per stage; [Note: pipeline readiness] (``hooks/pipeline_stage.py``) launches the waves once per schedule step, when
 the stage's gradients are final. Before, building an optimizer per stage was refused ("Every rank must build the same
 model"), and with one model on every rank NS ran 5 times per matrix per step under 1F1B with 4 micro-batches.

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap_muon.comm import domain_from_layouts
-from overlap_muon.domain import Domain
-from overlap_muon.layout import chunk_sizes
+from overlap_muon._comm import domain_from_layouts
+from overlap_muon._domain import Domain
+from overlap_muon._layout import chunk_sizes
 from overlap_muon.layer_sharded_a2a import (
     all_gather_full,
     from_homes,
@@ -104,7 +104,7 @@ def test_params_by_home_uneven_and_errors():
 def test_one_block_is_the_chunk_rule():
     """layout.block reads one block in O(1) (thousands of ranks ask for one block of every matrix): the same offsets
     and sizes as the whole chunk_sizes / chunk_offsets lists, uneven and empty blocks included."""
-    from overlap_muon.layout import _chunk, chunk_offsets
+    from overlap_muon._layout import _chunk, chunk_offsets
 
     for n in list(range(0, 40)) + [1023, 1024, 8191, 28672]:
         for parts in (1, 2, 3, 4, 7, 8, 64, 1000, 8192):
@@ -348,7 +348,7 @@ def test_domain_routing_grids(world):
 
 
 def _replay_body(rank, world):
-    import overlap_muon.layer_sharded_a2a.domain_exchange as dx
+    import overlap_muon.layer_sharded_a2a._domain_exchange as dx
 
     checked = []
     check = dx._check_domain_inputs

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from overlap_muon.scheduler import (
+from overlap_muon._scheduler import (
     LoadReport,
     ReadinessRecorder,
     Wave,
@@ -414,8 +414,8 @@ def test_readiness_recorder():
 # plan_waves_by_cost
 # ---------------------------------------------------------------------------------------------------------------
 
-from overlap_muon.scheduler import WaveCostModel, plan_waves_by_cost  # noqa: E402
-from overlap_muon.scheduler.waves import _Segment, _finish  # noqa: E402
+from overlap_muon._scheduler import WaveCostModel, plan_waves_by_cost  # noqa: E402
+from overlap_muon._scheduler.waves import _Segment, _finish  # noqa: E402
 
 
 def _llama_shapes(layers: int = 6, d: int = 256) -> list[tuple[int, int]]:
@@ -566,7 +566,7 @@ def test_wave_cost_model_validates(field, value):
 # plan hash
 # ---------------------------------------------------------------------------------------------------------------
 
-from overlap_muon.scheduler import first_plan_difference, param_fingerprints, plan_hash  # noqa: E402
+from overlap_muon._scheduler import first_plan_difference, param_fingerprints, plan_hash  # noqa: E402
 
 
 def _plan_inputs(n: int = 6, S: int = 2):
@@ -589,7 +589,7 @@ def test_plan_hash_is_deterministic_across_processes():
     assert 0 <= h < 2**63
     code = (
         "from tests.test_scheduler import _plan_inputs\n"
-        "from overlap_muon.scheduler import param_fingerprints, plan_hash\n"
+        "from overlap_muon._scheduler import param_fingerprints, plan_hash\n"
         "n, s, p, w = _plan_inputs()\n"
         "print(plan_hash(param_fingerprints(n, s, p, w), extra=(1, 2, 'layer_sharded')))\n"
     )
@@ -655,7 +655,7 @@ def test_plan_hash_bad_input():
 def test_lpt_node_tie_break_moves_only_ties():
     """[Note: homes that know nodes]: with node_size, equal-load homes go to a diagonal (one per node and per local
     index before any repeat), and every rank's NS load is plain LPT's (as a multiset: only ties move)."""
-    from overlap_muon.scheduler.homes import lpt_homes
+    from overlap_muon._scheduler.homes import lpt_homes
 
     assert lpt_homes([1.0] * 4, 16, node_size=4) == [0, 5, 10, 15]
     assert lpt_homes([1.0] * 4, 16) == [0, 1, 2, 3]

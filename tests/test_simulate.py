@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from overlap_muon.scheduler.cost import ns_flops
-from overlap_muon.scheduler.waves import plan_waves
+from overlap_muon._scheduler.cost import ns_flops
+from overlap_muon._scheduler.waves import plan_waves
 from overlap_muon.apps.simulate import MODEL_PRESETS, SimConfig, SimResult, main, plan_question, simulate
 
 pytestmark = pytest.mark.timeout(60)

@@ -2,7 +2,7 @@
 
 Nine ordinary training loops, each with the defaults (overlap on), compared with ``torch.equal`` against the same
 loop driving ``torch.optim.Muon`` + ``torch.optim.AdamW``. Before the step barrier ([Note: the step barrier] in
-``overlap_muon/runtime.py``) each of them gave a different model or wasted memory with overlap on. Cases 1, 6, 7
+``overlap_muon/_runtime.py``) each of them gave a different model or wasted memory with overlap on. Cases 1, 6, 7
 and 8 also run with ``async_step=True``, whose contract covers them.
 """
 
@@ -273,7 +273,7 @@ def _by_hand_body(rank, world, how, mode):
 def test_8_gradients_reduced_by_hand(world, how, mode):
     """modded-nanogpt's simple trainer all-reduces gradients by hand (no DDP). Bug: c10d writes in place without
     moving a version counter, so the waves built from each rank's own gradient were committed; the ranks drifted
-    apart. Now the collectives bump the counters ([Note: in-place collectives] in ``version_fix.py``)."""
+    apart. Now the collectives bump the counters ([Note: in-place collectives] in ``_version_fix.py``)."""
     res = run_ranks(_by_hand_body, world, how, mode, timeout=120)
     assert all(not bad for bad, _ in res), res
     assert all(reruns > 0 for _, reruns in res), res  # the stale check saw the edit

@@ -1,10 +1,10 @@
 """The house's boundaries, checked on the source (``ast``, nothing imported):
 
 * the library (``overlap_muon`` but ``overlap_muon.apps``, with ``hooks/`` and ``scheduler/`` installed as
-  ``overlap_muon.hooks`` and ``overlap_muon.scheduler``) never imports the apps;
+  ``overlap_muon._hooks`` and ``overlap_muon._scheduler``) never imports the apps;
 * the math and layout modules never import the planner, and the planner never imports torch;
-* only the communication context (``overlap_muon/comm.py``) creates process groups, and only the lanes
-  (``overlap_muon/lanes.py``) create streams, events or threads;
+* only the communication context (``overlap_muon/_comm.py``) creates process groups, and only the lanes
+  (``overlap_muon/_lanes.py``) create streams, events or threads;
 * nothing imports the old top-level names ``hooks`` and ``scheduler``;
 * the sizes: a library file at most :data:`FILE_LINES` lines, the ``OverlapMuon`` class :data:`OPTIMIZER_LINES`,
   ``Runtime`` :data:`RUNTIME_LINES`, any other class :data:`CLASS_LINES` (the apps' files and classes too), a
@@ -23,9 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: repository folder -> the import package it installs as
-PACKAGES = {"overlap_muon": "overlap_muon", "hooks": "overlap_muon.hooks", "scheduler": "overlap_muon.scheduler"}
-MATH_AND_LAYOUT = {"overlap_muon.ns", "overlap_muon.muon_math", "overlap_muon.team_ns", "overlap_muon.split",
-                   "overlap_muon.domain", "overlap_muon.layout", "overlap_muon.layer_sharded_a2a"}
+PACKAGES = {"overlap_muon": "overlap_muon", "hooks": "overlap_muon._hooks", "scheduler": "overlap_muon._scheduler"}
+MATH_AND_LAYOUT = {"overlap_muon._ns", "overlap_muon._muon_math", "overlap_muon._team_ns", "overlap_muon.split",
+                   "overlap_muon._domain", "overlap_muon._layout", "overlap_muon.layer_sharded_a2a"}
 GROUP_MAKERS = {"new_group", "new_subgroups", "init_device_mesh", "split_group"}
 LANE_MAKERS = {"Stream", "Event", "Thread", "ThreadPoolExecutor"}
 
@@ -36,11 +36,11 @@ FILE_LINES, OPTIMIZER_LINES, FUNCTION_LINES, TASK_LINES = 450, 350, 40, 25
 CLASS_LINES, RUNTIME_LINES = 350, 250
 #: ``file:function`` -> why it may pass :data:`FUNCTION_LINES` (the list only shrinks).
 LONG = {
-    "overlap_muon/comm.py:domain_from_layouts": "every rank creates every group of the domain in one fixed order; "
+    "overlap_muon/_comm.py:domain_from_layouts": "every rank creates every group of the domain in one fixed order; "
                                                 "the order is the function",
-    "overlap_muon/layer_sharded_a2a/domain_exchange.py:to_homes": "one exchange's collectives, which every rank "
+    "overlap_muon/layer_sharded_a2a/_domain_exchange.py:to_homes": "one exchange's collectives, which every rank "
                                                                   "issues in the same order, read in that order",
-    "overlap_muon/layer_sharded_a2a/domain_exchange.py:from_homes": "the same, for the way back",
+    "overlap_muon/layer_sharded_a2a/_domain_exchange.py:from_homes": "the same, for the way back",
     "scheduler/waves.py:plan_waves_by_cost": "the cost-cut planner, one algorithm read top to bottom ([Note: "
                                              "planning waves by cost])",
     "scheduler/surplus.py:_greedy": "the surplus planner's greedy pass, one algorithm read top to bottom",
@@ -136,15 +136,15 @@ def violations(root: Path) -> list[str]:
         for line, mod in _imports(name, path, tree):
             if mod == "overlap_muon.apps" or mod.startswith("overlap_muon.apps."):
                 bad.append(f"{where}:{line}: the library imports the apps ({mod})")
-            if _math_or_layout(name) and mod.startswith("overlap_muon.scheduler"):
+            if _math_or_layout(name) and mod.startswith("overlap_muon._scheduler"):
                 bad.append(f"{where}:{line}: a math/layout module imports the planner ({mod})")
-            if name.startswith("overlap_muon.scheduler") and (mod == "torch" or mod.startswith("torch.")):
+            if name.startswith("overlap_muon._scheduler") and (mod == "torch" or mod.startswith("torch.")):
                 bad.append(f"{where}:{line}: the planner imports torch ({mod})")
         for line, call in _calls(tree):
-            if call in GROUP_MAKERS and name != "overlap_muon.comm":
-                bad.append(f"{where}:{line}: creates a process group ({call}) outside overlap_muon/comm.py")
-            if call in LANE_MAKERS and name != "overlap_muon.lanes":
-                bad.append(f"{where}:{line}: creates a stream/event/thread ({call}) outside overlap_muon/lanes.py")
+            if call in GROUP_MAKERS and name != "overlap_muon._comm":
+                bad.append(f"{where}:{line}: creates a process group ({call}) outside overlap_muon/_comm.py")
+            if call in LANE_MAKERS and name != "overlap_muon._lanes":
+                bad.append(f"{where}:{line}: creates a stream/event/thread ({call}) outside overlap_muon/_lanes.py")
     for path in sorted(p for folder in (*PACKAGES, "tests") for p in (root / folder).rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
@@ -166,9 +166,9 @@ def test_planted_violations_are_caught(tmp_path):
     for folder in PACKAGES:
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     plants = {
-        "overlap_muon/ns.py": "from .scheduler.cost import ns_flops\n",
-        "overlap_muon/layer_sharded_a2a/_route.py": "from ..scheduler import plan_waves\n",
-        "overlap_muon/pipeline.py": "from .apps import bench\n",
+        "overlap_muon/_ns.py": "from ._scheduler.cost import ns_flops\n",
+        "overlap_muon/layer_sharded_a2a/_route.py": "from .._scheduler import plan_waves\n",
+        "overlap_muon/_pipeline.py": "from .apps import bench\n",
         "overlap_muon/optimizer.py": "import torch.distributed as _d\n_g = _d.new_group([0])\n",
         "overlap_muon/config.py": "import threading\n_t = threading.Thread(target=print)\n",
         "scheduler/waves.py": "import torch\n",
@@ -178,7 +178,7 @@ def test_planted_violations_are_caught(tmp_path):
         with open(tmp_path / rel, "a") as f:
             f.write(text)
     found = "\n".join(violations(tmp_path))
-    for rel, what in (("overlap_muon/ns.py", "imports the planner"), ("overlap_muon/pipeline.py", "imports the apps"),
+    for rel, what in (("overlap_muon/_ns.py", "imports the planner"), ("overlap_muon/_pipeline.py", "imports the apps"),
                       ("overlap_muon/layer_sharded_a2a/_route.py", "imports the planner"),
                       ("overlap_muon/optimizer.py", "creates a process group"),
                       ("overlap_muon/config.py", "stream/event/thread"), ("scheduler/waves.py", "imports torch"),
@@ -210,13 +210,13 @@ def test_planted_size_violations_are_caught(tmp_path):
     long_body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LINES + 1))
     with open(tmp_path / "overlap_muon/config.py", "a") as f:  # a long function
         f.write(f"\n\ndef _planted():\n    \"\"\"Docstring lines do not count.\"\"\"\n{long_body}")
-    with open(tmp_path / "overlap_muon/messages.py", "a") as f:  # a long file
+    with open(tmp_path / "overlap_muon/_messages.py", "a") as f:  # a long file
         f.write("\n" * FILE_LINES)
     for rel, cls, body, n in (
             ("overlap_muon/optimizer.py", "class OverlapMuon(", "    def _planted(self):\n", OPTIMIZER_LINES),
-            ("overlap_muon/pipeline.py", "class WavePipeline:", "    def _planted_task(self):\n", TASK_LINES),
-            ("overlap_muon/runtime.py", "class Runtime:", "    x = 0\n", RUNTIME_LINES),
-            ("overlap_muon/lanes.py", "class Lanes:", "    x = 0\n", CLASS_LINES)):
+            ("overlap_muon/_pipeline.py", "class WavePipeline:", "    def _planted_task(self):\n", TASK_LINES),
+            ("overlap_muon/_runtime.py", "class Runtime:", "    x = 0\n", RUNTIME_LINES),
+            ("overlap_muon/_lanes.py", "class Lanes:", "    x = 0\n", CLASS_LINES)):
         text = (tmp_path / rel).read_text()  # a long class, a long pipeline task: inside the class
         at = text.index("\n", text.index(cls)) + 1
         pad = "        " if body.startswith("    def") else "    "
@@ -225,6 +225,49 @@ def test_planted_size_violations_are_caught(tmp_path):
     with open(tmp_path / "overlap_muon/apps/data.py", "a") as f:  # a long app file
         f.write("\n" * FILE_LINES)
     found = "\n".join(size_violations(tmp_path) + app_size_violations(tmp_path))
-    for what in ("config.py", "_planted has", "messages.py:", "OverlapMuon has", "pipeline task _planted_task",
+    for what in ("config.py", "_planted has", "_messages.py:", "OverlapMuon has", "pipeline task _planted_task",
                  "Runtime has", "Lanes has", "apps/data.py:"):
         assert what in found, (what, found)
+
+
+#: The library's public modules ([Note: what is public] in docs/design.md): the face, the framework
+#: adapters, the options, the modules of the face's classes and the routing API's package face. Every other module
+#: of the library (the apps aside: their command lines are their face) is named as internal.
+PUBLIC = {"overlap_muon/__init__.py", "overlap_muon/config.py", "overlap_muon/optimizer.py", "overlap_muon/qk_clip.py",
+          "overlap_muon/split.py", "overlap_muon/hf.py", "overlap_muon/torchtitan.py", "overlap_muon/lightning.py",
+          "overlap_muon/layer_sharded_a2a/__init__.py"}
+
+
+def public_violations(root: Path) -> list[str]:
+    """A library module that is neither in :data:`PUBLIC` nor named as internal (a part of its import name after
+    ``overlap_muon`` starting with ``_``), and a public module the module map of docs/design.md does not name."""
+    bad = []
+    for folder, package in PACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = os.path.relpath(path, root)
+            if rel.startswith("overlap_muon/apps/") or rel in PUBLIC:
+                continue
+            parts = package.split(".")[1:] + os.path.relpath(path, root / folder).split(os.sep)
+            if not any(p.startswith("_") and p != "__init__.py" for p in parts):
+                bad.append(f"{rel}: not in the public list, and its import name has no part starting with '_'")
+    design = (root / "docs" / "design.md").read_text() if (root / "docs" / "design.md").exists() else ""
+    bad += [f"{rel}: public, but docs/design.md's module map does not name it" for rel in sorted(PUBLIC)
+            if (root / rel).exists() and f"`{rel}`" not in design]
+    return bad
+
+
+def test_internal_modules_are_named_as_internal():
+    assert not public_violations(ROOT), "\n".join(public_violations(ROOT))
+
+
+def test_planted_public_violations_are_caught(tmp_path):
+    for folder in (*PACKAGES, "docs"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", "apps"))
+    (tmp_path / "overlap_muon/helpers.py").write_text("x = 1\n")
+    (tmp_path / "scheduler/more.py").write_text("x = 1\n")  # internal by its package's name
+    design = tmp_path / "docs/design.md"
+    design.write_text(design.read_text().replace("`overlap_muon/lightning.py`", "the Lightning adapter"))
+    found = "\n".join(public_violations(tmp_path))
+    assert "overlap_muon/helpers.py: not in the public list" in found, found
+    assert "overlap_muon/lightning.py: public, but" in found, found
+    assert "scheduler/more.py" not in found, found

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap_muon.scheduler import ns_flops, plan_waves
-from overlap_muon.scheduler.surplus import (
+from overlap_muon._scheduler import ns_flops, plan_waves
+from overlap_muon._scheduler.surplus import (
     POLICIES,
     SurplusCostModel,
     matrix_estimate_s,
@@ -198,7 +198,7 @@ def test_serving_homes_cover_every_rank():
 
 
 def test_on_every_rank_picks_waves_with_room_for_every_rank():
-    from overlap_muon.scheduler.surplus import every_rank_kinds
+    from overlap_muon._scheduler.surplus import every_rank_kinds
 
     def on_every_rank(*a):
         return set(every_rank_kinds(*a))
@@ -217,7 +217,6 @@ def _surplus_body(rank, world, R, T, surplus, overlap):
 
     from tests.models import ADAMW_KW, HP, PARTITION, TinyNet, build_dtensor_model, local, set_grad
     from overlap_muon import OverlapMuon
-
     torch.manual_seed(0)
     g, t = divmod(rank, T)
     full = TinyNet()

@@ -1,6 +1,6 @@
 """The symmetric-Gram (SYRK) Newton-Schulz path and its toggles.
 
-What is exact and what is not (see ``overlap_muon.ns`` [Note: symmetric Gram]):
+What is exact and what is not (see ``overlap_muon._ns`` [Note: symmetric Gram]):
 
 - ``syrk=False`` (the default) is bitwise equal to ``torch.optim.Muon``'s NS: tested here with ``torch.equal``.
 - ``sym_gram`` / ``sym_poly`` are exactly symmetric by construction, and each block row is bit for bit the GEMM it
@@ -20,7 +20,7 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
 from overlap_muon.config import resolve_config
-from overlap_muon.ns import SYRK_BLOCK, sym_gram, sym_poly, zeropower
+from overlap_muon._ns import SYRK_BLOCK, sym_gram, sym_poly, zeropower
 
 COEF = (3.4445, -4.7750, 2.0315)
 

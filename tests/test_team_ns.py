@@ -1,4 +1,4 @@
-"""Team Newton-Schulz (``overlap_muon.team_ns``): k gloo ranks share one matrix's NS, split by columns.
+"""Team Newton-Schulz (``overlap_muon._team_ns``): k gloo ranks share one matrix's NS, split by columns.
 
 Exactness, measured on an AMX bf16 Xeon (torch 2.13, oneDNN, one thread per rank). Alone (``group=None``) it runs
 the reference's very operations and is bitwise equal to ``zeropower`` (``torch.equal``). Over 2, 3 or 4 ranks:
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from overlap_muon.apps.bench.ns import ns_float64
-from overlap_muon.ns import zeropower
-from overlap_muon.team_ns import team_norms, team_row_counts, team_zeropower_blocks, team_zeropower_full
+from overlap_muon._ns import zeropower
+from overlap_muon._team_ns import team_norms, team_row_counts, team_zeropower_blocks, team_zeropower_full
 from tests.dist_utils import run_ranks
 
 # Uneven row splits at every team size: m = 7, 13 (tall: transposed), 3 (an empty member at 4), 5, 64, 130.
@@ -89,8 +89,8 @@ _LAYOUTS = [(7, 30, 0), (50, 13, 1), (9, 9, None), (5, 22, 1), (31, 6, 0), (2, 4
 
 
 def _relayout_body(rank, world, R, T):
-    from overlap_muon.domain import Domain
-    from overlap_muon.layout import block
+    from overlap_muon._domain import Domain
+    from overlap_muon._layout import block
     from overlap_muon.layer_sharded_a2a import from_team, team_block, to_team
 
     dom = Domain(remat_size=R, tp_size=T, remat_rank=rank // T, tp_rank=rank % T, flat_group=dist.group.WORLD)
@@ -158,7 +158,7 @@ def test_team_is_as_accurate_as_the_bitwise_path(world):
 
 
 def _split_poly_body(rank, world):
-    from overlap_muon.team_ns import team_row_counts
+    from overlap_muon._team_ns import team_row_counts
 
     shapes = [(33, 70), (20, 41), (64, 64)]  # oriented (m <= n), uneven row and column splits at 2 and 3
     flags = [True, False, True]

@@ -361,7 +361,7 @@ def test_apply_bitwise_every_dtype_and_layout(layout_results, dtype, case):
     matrices, which the CPU kernel runs element by element (the bf16 product ``alpha*O`` rounded to bf16 before
     the add), and a contiguous ``O`` vectorized (one rounding), except the tail of each thread chunk. The apply
     now reproduces, element by element, the path torch's kernel takes on the full matrix ([Note: the apply
-    follows torch's kernel path] in ``muon_math.py``). Measured before the fix on this 2x2 grid, bf16, 3 steps:
+    follows torch's kernel path] in ``_muon_math.py``). Measured before the fix on this 2x2 grid, bf16, 3 steps:
     65 differing elements per mode (tall 59, wide 5, square 1); after: 0. One test per dtype x shape (tall, wide,
     square, 1-row shards, a single column) x TP partition_dim 0/1/None, each in sync and overlap mode."""
     for overlap in (False, True):
@@ -443,9 +443,9 @@ def test_apply_update_on_every_block_equals_full_matrix_apply(dtype):
     of 32768 elements are split in thread chunks, whose tails move): every block of every grid equals torch's
     apply on the full matrix, for tall, wide and square matrices, small and above the grain size, with the block
     handed over contiguous and as the strided view of the NS result (a tall matrix's at world 1)."""
-    from overlap_muon.layout import block as region_of
-    from overlap_muon.muon_math import apply_update
-    from overlap_muon.ns import zeropower
+    from overlap_muon._layout import block as region_of
+    from overlap_muon._muon_math import apply_update
+    from overlap_muon._ns import zeropower
 
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(3)
@@ -671,8 +671,8 @@ def test_tensor_lr_is_read_on_the_host_once_per_step(monkeypatch):
     ``.item()`` (on CUDA a device sync per param, as torch.optim.Muon pays); now the step reads the scaled lr of
     each full shape once (``muon_math.host_alphas``) and every apply gets a float, the same double: bitwise torch
     (``test_tensor_lr_bitwise`` above)."""
-    import overlap_muon.muon_math as mm
-    import overlap_muon.pipeline as pl
+    import overlap_muon._muon_math as mm
+    import overlap_muon._pipeline as pl
 
     seen, reads = [], []
     apply, host = mm.apply_update, mm.host_alphas

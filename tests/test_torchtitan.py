@@ -168,7 +168,6 @@ def test_deepseek_v3_moe_experts_world1_bitwise():
     from torchtitan.models import deepseek_v3
 
     from overlap_muon import OverlapMuon
-
     cfg = deepseek_v3.model_registry("debugmodel").model
     cfg.layers = cfg.layers[:2]
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 tutorial, ``vector_to_parameters``, collectives below the wrapped names, DDP built after the optimizer), compared
 with ``torch.equal`` against ``torch.optim.Muon`` + ``torch.optim.AdamW`` after every step. The records (version
 counters, wrapped functions) miss them all; the commit's content check catches them by their bytes ([Note: content
-fingerprints] in ``overlap_muon/wave_state.py``). Each was silent before it (checked on the code without it)."""
+fingerprints] in ``overlap_muon/_wave_state.py``). Each was silent before it (checked on the code without it)."""
 
 from __future__ import annotations
 

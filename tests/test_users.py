@@ -210,7 +210,7 @@ def test_mesh_dims_rules():
     """The dim rules, without a process group (``mesh_dims`` reads only ``ndim`` and ``mesh_dim_names``)."""
     from types import SimpleNamespace
 
-    from overlap_muon.discovery import mesh_dims
+    from overlap_muon._discovery import mesh_dims
 
     def mesh(*names):
         return SimpleNamespace(ndim=len(names), mesh_dim_names=names or None)

@@ -1,6 +1,7 @@
 """What a speculative wave read is what ``step()`` commits: loops that change an input of a wave between its read
 during backward and ``step()`` (or between steps, under ``async_step``), each compared with ``torch.equal`` against
-``torch.optim.Muon`` + ``torch.optim.AdamW`` after every step ([Note: a wave's reads] in ``overlap_muon/wave_state.py``).
+``torch.optim.Muon`` + ``torch.optim.AdamW`` after every step ([Note: a wave's reads] in
+``overlap_muon/_wave_state.py``).
 """
 
 from __future__ import annotations

@@ -25,18 +25,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: The files the wave's own records travel through, in the order of its trip (docs/design.md, "One wave's trip").
 TRIP = [
-    "hooks/grad_ready.py", "overlap_muon/runtime.py", "scheduler/dispatch.py",
-    "overlap_muon/pipeline.py", "overlap_muon/wave_state.py", "overlap_muon/lanes.py", "overlap_muon/agreement.py",
-    "overlap_muon/exchanges.py", "overlap_muon/optimizer.py",
+    "hooks/grad_ready.py", "overlap_muon/_runtime.py", "scheduler/dispatch.py",
+    "overlap_muon/_pipeline.py", "overlap_muon/_wave_state.py", "overlap_muon/_lanes.py", "overlap_muon/_agreement.py",
+    "overlap_muon/_exchanges.py", "overlap_muon/optimizer.py",
 ]
 #: The leaves the trip calls: functions on tensors, shapes and groups that hold no wave.
 LEAVES = [
-    "overlap_muon/placement.py", "overlap_muon/version_fix.py", "overlap_muon/muon_math.py",
-    "overlap_muon/layer_sharded_a2a/domain_exchange.py", "overlap_muon/layer_sharded_a2a/_route.py",
-    "overlap_muon/ns.py",
+    "overlap_muon/_placement.py", "overlap_muon/_version_fix.py", "overlap_muon/_muon_math.py",
+    "overlap_muon/layer_sharded_a2a/_domain_exchange.py", "overlap_muon/layer_sharded_a2a/_route.py",
+    "overlap_muon/_ns.py",
 ]
 #: What else ``step()`` enters: following replaced params, and AdamW's lazy state.
-STEP = ["overlap_muon/binding.py", "overlap_muon/state.py"]
+STEP = ["overlap_muon/_binding.py", "overlap_muon/_state.py"]
 
 
 def _entered(rank, world):
@@ -94,9 +94,9 @@ RECORDS = ("Wave", "WaveState", "WavePlan", "Leg", "Reads", "WaveExchanges")
 
 
 def _module_file(root: Path, module: str) -> str | None:
-    """The repository file of an absolute module name (``overlap_muon.hooks`` / ``.scheduler`` are ``hooks/`` and
+    """The repository file of an absolute module name (``overlap_muon._hooks`` / ``.scheduler`` are ``hooks/`` and
     ``scheduler/``), or ``None`` outside the project."""
-    for package, folder in (("overlap_muon.hooks", "hooks"), ("overlap_muon.scheduler", "scheduler"),
+    for package, folder in (("overlap_muon._hooks", "hooks"), ("overlap_muon._scheduler", "scheduler"),
                             ("overlap_muon", "overlap_muon")):
         if module == package or module.startswith(package + "."):
             rel = folder + module[len(package):].replace(".", "/")
@@ -114,8 +114,8 @@ def leaf_violations(root: Path, leaves: list[str], trip: list[str]) -> list[str]
     bad = []
     for leaf in leaves:
         tree = ast.parse((root / leaf).read_text())
-        package = leaf[:-3].replace("/", ".").replace("hooks.", "overlap_muon.hooks.", 1) \
-            .replace("scheduler.", "overlap_muon.scheduler.", 1).rsplit(".", 1)[0]
+        package = leaf[:-3].replace("/", ".").replace("hooks.", "overlap_muon._hooks.", 1) \
+            .replace("scheduler.", "overlap_muon._scheduler.", 1).rsplit(".", 1)[0]
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
@@ -146,13 +146,13 @@ def test_planted_leaf_violations_are_caught(tmp_path):
 
     for folder in ("overlap_muon", "hooks", "scheduler"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", "apps"))
-    with open(tmp_path / "overlap_muon/ns.py", "a") as f:
-        f.write("\nfrom .lanes import Lanes\n")
-    with open(tmp_path / "overlap_muon/muon_math.py", "a") as f:
+    with open(tmp_path / "overlap_muon/_ns.py", "a") as f:
+        f.write("\nfrom ._lanes import Lanes\n")
+    with open(tmp_path / "overlap_muon/_muon_math.py", "a") as f:
         f.write("\n\ndef _planted(st: 'WaveState') -> None:\n    pass\n")
-    with open(tmp_path / "overlap_muon/placement.py", "a") as f:
-        f.write("\nfrom overlap_muon.scheduler.dispatch import WaveDispatcher\n")
+    with open(tmp_path / "overlap_muon/_placement.py", "a") as f:
+        f.write("\nfrom overlap_muon._scheduler.dispatch import WaveDispatcher\n")
     found = "\n".join(leaf_violations(tmp_path, LEAVES, TRIP))
-    for what in ("ns.py", "trip file overlap_muon/lanes.py", "_planted takes a wave record",
-                 "placement.py", "trip file scheduler/dispatch.py"):
+    for what in ("_ns.py", "trip file overlap_muon/_lanes.py", "_planted takes a wave record",
+                 "_placement.py", "trip file scheduler/dispatch.py"):
         assert what in found, (what, found)

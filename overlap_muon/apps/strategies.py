@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from overlap_muon.scheduler.strategy import pick_strategies, step_estimate
-from overlap_muon.scheduler.surplus_cost import PROFILES, SurplusCostModel
+from overlap_muon._scheduler.strategy import pick_strategies, step_estimate
+from overlap_muon._scheduler.surplus_cost import PROFILES, SurplusCostModel
 
 from .simulate import MODEL_PRESETS
 
@@ -89,7 +89,7 @@ class Domain:
         (``gram_mode.gram_orientations``) on stand-ins of the weights."""
         from types import SimpleNamespace
 
-        from overlap_muon.gram_mode import gram_orientations
+        from overlap_muon._gram_mode import gram_orientations
 
         stand_ins = [SimpleNamespace(index=j, full_shape=sh, partition_dim=pd, domain=0, replicated=False,
                                      transposed=False, parts=None, expert=None)
@@ -191,8 +191,8 @@ def _measure_rank(rank: int, world: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from overlap_muon.ns import zeropower
-    from overlap_muon.scheduler.cost import ns_flops
+    from overlap_muon._ns import zeropower
+    from overlap_muon._scheduler.cost import ns_flops
 
     torch.set_num_threads(1)
 

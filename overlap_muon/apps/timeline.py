@@ -48,11 +48,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..lanes import PHASES
+from .._lanes import PHASES
 
 __all__ = ["draw_timeline", "TimelineSummary", "main"]
 
-#: The phases of one wave, in pipeline order (the names ``overlap_muon.lanes`` emits).
+#: The phases of one wave, in pipeline order (the names ``overlap_muon._lanes`` emits).
 _PHASES = PHASES
 _PHASE_RE = re.compile(r"^OverlapMuon::wave(\d+)::(pack|a2a_to_home|ns|a2a_from_home|apply)$")
 _COMM_TO = {"pack", "a2a_to_home"}

@@ -103,11 +103,9 @@ def _build_optimizer(args: argparse.Namespace, model: GPT, mesh):
     if args.optimizer == "torch_muon":
         return _TorchMuonPair(model, args)
     from overlap_muon import OverlapMuon
-
     split = None
     if args.split_qkv:
         from overlap_muon import QKVSplit
-
         # model.py stores the fused rows head by head, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: the grouped layout, g = h
         h = model.cfg.n_heads
         split = {"blocks.*.attn.qkv.weight": QKVSplit(h, h, model.cfg.d_model // h, layout="grouped")}
@@ -117,7 +115,6 @@ def _build_optimizer(args: argparse.Namespace, model: GPT, mesh):
     qk = None
     if args.qk_clip is not None:
         from overlap_muon import QKClip
-
         h = model.cfg.n_heads
         rows = (dict(qkv="blocks.*.attn.qkv.weight", layout="grouped") if model.cfg.fused_qkv
                 else dict(query="blocks.*.attn.q.weight", key="blocks.*.attn.k.weight"))
@@ -284,7 +281,7 @@ def _loop(args, cfg, data, device, rank, world, fingerprint, resume_state, model
             loss_sum += loss.detach().double()
         with torch.profiler.record_function("## optimizer ##"):
             if args.max_grad_norm is not None and args.optimizer != "overlap_muon":
-                from overlap_muon.clip import clip_grads_by_total_norm_
+                from overlap_muon._clip import clip_grads_by_total_norm_
 
                 clip_grads_by_total_norm_([p.grad for p in model.parameters() if p.grad is not None],
                                           args.max_grad_norm)

@@ -142,7 +142,7 @@ def _check_args(args: argparse.Namespace, world: int) -> ModelConfig:
         raise _ConfigError(f"--moe-aux-loss must be >= 0, got {args.moe_aux_loss}")
     if args.moe_experts and args.max_grad_norm is not None and world > 1:
         # Expert gradients are plain tensors that differ by rank; the global norm would need their squares summed
-        # over EP, which overlap_muon.clip (DTensors reduced, plain tensors taken as replicas) does not do yet.
+        # over EP, which overlap_muon._clip (DTensors reduced, plain tensors taken as replicas) does not do yet.
         raise _ConfigError("--max-grad-norm with --moe needs one process for now (the experts' gradients live on "
                            "different ranks); drop --max-grad-norm or run without torchrun")
     if args.split_qkv and (args.qkv != "fused" or args.optimizer != "overlap_muon"):

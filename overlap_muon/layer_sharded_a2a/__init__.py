@@ -7,13 +7,13 @@ moves: every result is assembled by copies, so all paths here are bit exact.
 
 Which file holds what:
 
-* ``seed_api.py``: the seed API (``params_by_home``, ``route_to_ns_home``, ``route_from_ns_home``), axis-generic:
+* ``_seed_api.py``: the seed API (``params_by_home``, ``route_to_ns_home``, ``route_from_ns_home``), axis-generic:
   one exchange over one process group along one ``shard_dim`` per param.
-* ``domain_exchange.py``: the domain API over the ``R x T`` layouts, ``local_shard``, ``to_homes`` and
+* ``_domain_exchange.py``: the domain API over the ``R x T`` layouts, ``local_shard``, ``to_homes`` and
   ``from_homes`` (``fused=False``: the two seed stages; ``fused=True``: one ``all_to_all_single`` over the flat
   group).
-* ``gather.py``: ``all_gather_full``, the duplicated-mode baseline.
-* ``team.py``: ``team_block``, ``to_team`` / ``from_team`` (the shard layout <-> the team NS layout).
+* ``_gather.py``: ``all_gather_full``, the duplicated-mode baseline.
+* ``_team.py``: ``team_block``, ``to_team`` / ``from_team`` (the shard layout <-> the team NS layout).
 * ``_route.py``: what every exchange is made of: the plan records, the packer, the plan cache and the execution
   (one ``all_to_all_single``); [Note: transport as bytes], [Note: results may alias].
 * ``_checks.py``: the input checks, seed-level and domain-level; [Note: validation is local].
@@ -23,10 +23,10 @@ Every name other modules import is re-exported here: ``from overlap_muon.layer_s
 
 from __future__ import annotations
 
-from .domain_exchange import from_homes, local_shard, to_homes
-from .gather import all_gather_full
-from .seed_api import params_by_home, route_from_ns_home, route_to_ns_home
-from .team import from_team, team_block, to_team
+from ._domain_exchange import from_homes, local_shard, to_homes
+from ._gather import all_gather_full
+from ._seed_api import params_by_home, route_from_ns_home, route_to_ns_home
+from ._team import from_team, team_block, to_team
 
 __all__ = [
     "params_by_home",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from overlap_muon.layout import block, chunk_sizes
+from overlap_muon._layout import block, chunk_sizes
 
 
 # ----------------------------------------------------------------------------------------------------------------

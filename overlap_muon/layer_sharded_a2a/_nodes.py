@@ -1,6 +1,6 @@
 """A fused exchange in two hops over nodes: the same route, at most ``(L - 1) + (N - 1)`` peers per rank.
 
-[Note: node-aware exchange] is in ``overlap_muon/domain.py`` (the groups). Here, the transport: a fused route
+[Note: node-aware exchange] is in ``overlap_muon/_domain.py`` (the groups). Here, the transport: a fused route
 (``_route._Route``) says what this rank sends to every flat rank ``d = n*L + l`` of the domain and what it receives
 from each. In two hops:
 
@@ -30,7 +30,7 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from overlap_muon.domain import Domain, NodeHops
+from overlap_muon._domain import Domain, NodeHops
 
 from ._route import _all_to_all, _buffer, _Piece, _Route
 

@@ -205,7 +205,7 @@ def _execute(
     ``buffers``: keep the send and receive buffers and the assembled results there and reuse them at the next
     call with this dict ([Note: reserved exchange buffers]): the previous call's results are overwritten then.
     ``hops``: the route's two-hop transport over nodes (``_nodes.TwoHops``, [Note: node-aware exchange] in
-    ``overlap_muon/domain.py``) instead of one ``all_to_all_single`` over ``group``; the results are the same."""
+    ``overlap_muon/_domain.py``) instead of one ``all_to_all_single`` over ``group``; the results are the same."""
     with torch.no_grad():
         inputs = [_rows_first(x, buffers, f"in{k}") for k, x in enumerate(inputs)]
         send = _buffer(buffers, "send", sum(route.send_splits), dtype, device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from overlap_muon.scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_homes
+from overlap_muon._scheduler import load_report, lpt_homes, ns_flops, plan_waves, round_robin_homes
 
 from .common import _CaseResult, _Options
 

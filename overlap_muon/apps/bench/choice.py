@@ -5,7 +5,7 @@ plain TP shards) at world 1 and 2, in interleaved rounds of a few iterations per
 ``synchronize()``):
 
 * ``auto_over_best_world{1,2}``: ``auto_overlap=True`` ([Note: overlap where it pays] in
-  ``overlap_muon/overlap_choice.py``), timed after its trial, over the faster of ``overlap=True`` and
+  ``overlap_muon/_overlap_choice.py``), timed after its trial, over the faster of ``overlap=True`` and
   ``overlap=False``: 1.0 when it kept the faster one, more when its trial misjudged (the mode it kept is reported).
 * ``acc4_learned_over_each_backward_world{1,2}``: an iteration of 4 micro-batches (forward, backward each) and one
   ``step()``, no ``no_sync()``: the default, which launches the waves from the backward it learned to be the last
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from overlap_muon.optimizer import OverlapMuon
-from overlap_muon.overlap_choice import TRIAL
+from overlap_muon._overlap_choice import TRIAL
 
 from .common import (_HP, _CaseResult, _max_over_ranks, _median, _ms, _muon_2d, _Options, _ratio, _run_ranks,
                      _tp_stack)

@@ -18,7 +18,7 @@ assembled TP blocks, ``(1 - 1/T)`` of it, among them the rows that already moved
 Duplicated sends ``S - 1`` copies of each shard and nothing back: ``S / 2`` times the ideal.
 
 Node-aware (``node_exchange="on"``, the 4 ranks as 2 nodes of 2: [Note: node-aware exchange] in
-``overlap_muon/domain.py``) beside fused: peers per rank (the ranks it sends data to or receives data from, over a
+``overlap_muon/_domain.py``) beside fused: peers per rank (the ranks it sends data to or receives data from, over a
 step) and the bytes that leave the node (sent to a rank of another node). Both exchanges carry the same bytes
 across nodes; the node-aware one adds the first hop inside the node and a second collective per direction, and at
 most ``(L - 1) + (N - 1)`` peers against ``S - 1``: here 2 against 3 (at 4 ranks the bound barely differs; the

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from overlap_muon.apps.spawn import spawn_ranks
-from overlap_muon.layout import block_shape
+from overlap_muon._layout import block_shape
 
 #: Muon hyper-parameters of every case (``torch.optim.Muon``'s defaults except a visible learning rate).
 _HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from overlap_muon.placement import local_tensor
+from overlap_muon._placement import local_tensor
 from overlap_muon.optimizer import OverlapMuon
 
 from .common import (_HP, _CaseResult, _domain_groups, _muon_2d, _Options, _ratio, _run_ranks, _shard_net,

@@ -1,17 +1,17 @@
 """Bench case ``ns``: batched Newton-Schulz FLOP/s vs plain ``torch.bmm``, and symmetric Gram vs plain NS.
 
-Batched Newton-Schulz (:func:`overlap_muon.ns.zeropower` on a ``(b, P, Q)`` bf16 stack) achieved FLOP/s,
+Batched Newton-Schulz (:func:`overlap_muon._ns.zeropower` on a ``(b, P, Q)`` bf16 stack) achieved FLOP/s,
 ``b * scheduler.ns_flops((P, Q)) / time``, over the FLOP/s of the same matmuls as plain ``torch.bmm`` in bf16
 (``5 x`` ``(b,m,n)@(b,n,m)``, ``(b,m,m)@(b,m,m)``, ``(b,m,m)@(b,m,n)``: exactly the FLOPs ``ns_flops``
 counts), the limit on this machine. ``ns_over_bmm`` in (0, 1]; the gap is NS's elementwise work (norm,
 casts, ``baddbmm`` scaling, transposes).
 ``syrk_over_plain``: one-matrix ``zeropower(syrk=True)`` (symmetric Gram and ``A @ A``, upper block rows +
-mirror, ``overlap_muon.ns.SYRK_BLOCK``) effective FLOP/s over the plain ``zeropower``'s (both counted as
+mirror, ``overlap_muon._ns.SYRK_BLOCK``) effective FLOP/s over the plain ``zeropower``'s (both counted as
 ``ns_flops``, so it is the time ratio plain / syrk), summed over 1024^2, 2048x8192 and 4096^2 (``--quick``:
 256^2, 256x1024, 512^2), 1 thread; per shape the details also give whether the result is bitwise equal to the
 plain one, the max abs and relative Frobenius difference, and the FLOPs the symmetric products skip.
 ``gram_over_plain``: ``zeropower(gram=True)`` (Gram Newton-Schulz where the per-shape choice picks it, [Note: Gram
-Newton-Schulz] in ``overlap_muon/ns.py``) against plain NS, one matrix, 1 thread, side by side at 1024x4096,
+Newton-Schulz] in ``overlap_muon/_ns.py``) against plain NS, one matrix, 1 thread, side by side at 1024x4096,
 2048x8192 and 4096x4096 (``--quick``: 256x1024, 512x2048, 512^2): the time ratio plain / Gram summed over the
 rectangular shapes; per shape also the ratio of forced Gram NS (the square one shows why it keeps plain NS), and,
 on the step case's matrices (the batches above), the NS time with and without ``gram``. Its error against a float64
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from overlap_muon.ns import SYRK_BLOCK, gram_zeropower, zeropower
-from overlap_muon.scheduler import ns_flops
+from overlap_muon._ns import SYRK_BLOCK, gram_zeropower, zeropower
+from overlap_muon._scheduler import ns_flops
 
 from .common import _CaseResult, _median, _Options, _ratio, _threads
 

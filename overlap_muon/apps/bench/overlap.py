@@ -43,10 +43,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from overlap_muon.ns import zeropower
+from overlap_muon._ns import zeropower
 from overlap_muon.optimizer import OverlapMuon
-from overlap_muon.overlap_choice import TRIAL
-from overlap_muon.scheduler import ns_flops
+from overlap_muon._overlap_choice import TRIAL
+from overlap_muon._scheduler import ns_flops
 
 from .common import (_HP, _CaseResult, _max_over_ranks, _median, _ms, _muon_2d, _Options, _ratio, _run_ranks,
                      _tp_stack, _TPBlock, _two_thread_speedup)

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from overlap_muon.optimizer import OverlapMuon
-from overlap_muon.overlap_choice import TRIAL
+from overlap_muon._overlap_choice import TRIAL
 
 from .common import _HP, _CaseResult, _max_over_ranks, _median, _ms, _Options, _ratio, _run_ranks, _timed_steps
 

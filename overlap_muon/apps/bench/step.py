@@ -6,7 +6,7 @@ q, k, v, o ``(256, 256)``, up ``(1024, 256)``, down ``(256, 1024)``), world 2 as
 explicit groups), gradients set directly. ``duplicated_over_layer_sharded``: step time of ``mode="duplicated"``
 (all-gather, NS of every matrix on every rank) over ``mode="layer_sharded"`` (NS once, on the matrix's home); > 1
 means layer sharding is faster. ``gram_once_over_layer_sharded`` and ``gram_k1_over_layer_sharded``:
-``mode="gram"`` ([Note: sharded Gram NS] in ``overlap_muon/gram_mode.py``: every matrix here is split along its
+``mode="gram"`` ([Note: sharded Gram NS] in ``overlap_muon/_gram_mode.py``: every matrix here is split along its
 long side or is square, so none is gathered) with one all-reduce of each Gram (``gram_restart_every=5``) and with
 one per NS step (``1``); ``..._world4``: the same at world 4. Beside the times, each variant's error against
 ``torch.optim.Muon``'s arithmetic in float64 after the run (``||p - p64|| / ||p64 - p0||``: relative to what the
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from overlap_muon.ns import DEFAULT_NS_COEFFICIENTS, adjusted_lr
+from overlap_muon._ns import DEFAULT_NS_COEFFICIENTS, adjusted_lr
 from overlap_muon.optimizer import OverlapMuon
 
 from .common import (_HP, _CaseResult, _max_over_ranks, _median, _ms, _muon_2d, _Options, _ratio, _run_ranks,

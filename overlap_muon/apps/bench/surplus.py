@@ -1,6 +1,6 @@
 """Bench case ``surplus``: the team NS kernel, the optimizer's surplus policies, and the simulator at 70B.
 
-The team NS kernel alone (``overlap_muon.team_ns.team_zeropower_full``, not the optimizer): a 2048x8192 matrix
+The team NS kernel alone (``overlap_muon._team_ns.team_zeropower_full``, not the optimizer): a 2048x8192 matrix
 (``--quick``: 512x2048) at world 2 (gloo, 1 thread per rank), split by columns ([Note: team NS by columns]),
 against ``zeropower`` of the whole matrix on rank 0 while rank 1 waits,
 interleaved, each timed between barriers. ``single_over_team_world2``: single-rank latency over the column
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from overlap_muon.ns import zeropower
-from overlap_muon.scheduler.surplus import CPU_GLOO, team_row_counts, team_splits_poly
-from overlap_muon.team_ns import team_zeropower_full
+from overlap_muon._ns import zeropower
+from overlap_muon._scheduler.surplus import CPU_GLOO, team_row_counts, team_splits_poly
+from overlap_muon._team_ns import team_zeropower_full
 
 from .common import _CaseResult, _max_over_ranks, _median, _ms, _Options, _ratio, _run_ranks
 
@@ -91,7 +91,6 @@ def _last_wave_latency(rank: int, world: int, X: Tensor, warmup: int, repeats: i
     from ``step()`` to its last apply, per repeat; whether duplicate gives idle's params (``torch.equal``), and
     team's largest difference from them."""
     from overlap_muon import OverlapMuon
-
     group = dist.new_group(list(range(world)))
     nets, opts = {}, {}
     for policy in _POLICIES:

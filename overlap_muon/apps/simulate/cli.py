@@ -47,8 +47,8 @@ def _ms(x: float) -> str:
 def _gram_line(cfg: SimConfig) -> str:
     """What ``gram_ns`` would save on this model: Gram NS FLOPs (``scheduler.cost.gram_ns_flops``) on the matrices
     the per-shape rule gives it, plain NS elsewhere."""
-    from ...layout import gram_wins
-    from ...scheduler.cost import gram_ns_flops, ns_cost, ns_flops
+    from ..._layout import gram_wins
+    from ..._scheduler.cost import gram_ns_flops, ns_cost, ns_flops
 
     shapes = [s for layer in cfg.layer_shapes for s in layer]
     plain = sum(ns_flops(s, cfg.ns_steps) for s in shapes)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 shapes = [s for _, s in MODEL_PRESETS[args.model].layer_matrices()]
             ns_rate = args.ns_flops or args.matmul_flops
-            from ...scheduler.surplus import SurplusCostModel
+            from ..._scheduler.surplus import SurplusCostModel
 
             cm = SurplusCostModel(ns_flops_per_s=ns_rate, intra_node_bytes_per_s=args.intra_bw,
                                   inter_node_bytes_per_s=args.inter_bw, ranks_per_node=args.gpus_per_node,

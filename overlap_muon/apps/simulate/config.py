@@ -133,7 +133,7 @@ class SimConfig:
         _pos_float("ns_interference", self.ns_interference, allow_zero=True)
         if self.ns_interference > 1:
             raise ValueError(f"SimConfig.ns_interference must be in [0, 1], got {self.ns_interference!r}")
-        from ...scheduler.surplus import POLICIES
+        from ..._scheduler.surplus import POLICIES
 
         if self.surplus not in POLICIES:
             raise ValueError(f"SimConfig.surplus must be one of {POLICIES}, got {self.surplus!r}")

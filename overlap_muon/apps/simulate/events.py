@@ -176,7 +176,7 @@ def _run(cfg: SimConfig, plans: list[_WaveTimes], overlap: bool, barrier: bool =
 
 
 def _surplus_cost_model(cfg: SimConfig) -> Any:
-    from ...scheduler.surplus import SurplusCostModel
+    from ..._scheduler.surplus import SurplusCostModel
 
     return SurplusCostModel(ns_flops_per_s=cfg.ns_flops_per_s, ns_steps=cfg.ns_steps,
                             intra_node_bytes_per_s=cfg.intra_node_bytes_per_s,
@@ -191,7 +191,7 @@ def _flows_s(cfg: SimConfig, assignments: Sequence[Any], shapes: Sequence[tuple[
     Every flow of [Note: surplus and DP slots in the model] is added to its sender's and receiver's intra- or
     inter-node bytes; a direction takes ``latency + max`` over ranks and directions of ``bytes / bandwidth``.
     """
-    from ...scheduler.surplus import _dup_served, _Nodes
+    from ..._scheduler.surplus import _dup_served, _Nodes
 
     S = cfg.domain_size
     nodes = _Nodes(S, cfg.gpus_per_node)
@@ -239,9 +239,9 @@ def _flows_s(cfg: SimConfig, assignments: Sequence[Any], shapes: Sequence[tuple[
 
 def _plan(cfg: SimConfig) -> tuple[list[Any], list[float], list[_WaveTimes], float]:
     """Waves, per-matrix NS seconds, per-wave lane items, and the bf16 bytes a rank sends to homes per step."""
-    from ...scheduler.cost import ns_flops
-    from ...scheduler.surplus import _estimate_parts, _Nodes, plan_surplus
-    from ...scheduler.waves import plan_waves
+    from ..._scheduler.cost import ns_flops
+    from ..._scheduler.surplus import _estimate_parts, _Nodes, plan_surplus
+    from ..._scheduler.waves import plan_waves
 
     shapes = [s for layer in cfg.layer_shapes for s in layer]
     layer_of = [l for l, layer in enumerate(cfg.layer_shapes) for _ in layer]

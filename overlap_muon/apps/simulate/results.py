@@ -113,7 +113,7 @@ class SimResult:
     """Sum over waves of both exchanges (with latency, without pack/apply), seconds."""
     content_check_s: float
     """The commit's content check on the step's critical path ([Note: content fingerprints] in
-    ``overlap_muon/wave_state.py``): ``_CONTENT_BYTES`` per element of this rank's Muon shards at
+    ``overlap_muon/_wave_state.py``): ``_CONTENT_BYTES`` per element of this rank's Muon shards at
     ``elementwise_bytes_per_s``, plus one host sync (``_CONTENT_SYNC_S``), seconds. (The pack's own fingerprint,
     as many bytes again, runs on the comm lane and is not modelled.)"""
     content_check_fraction: float

@@ -14,7 +14,7 @@ _PACK_BYTES = 16
 #: Apply, per element of the local shard: bf16 receive-buffer copy (2) + bf16 update read (2) + fp32 param
 #: read and write (8).
 _APPLY_BYTES = 12
-#: [Note: content fingerprints] (overlap_muon/wave_state.py): ``step()`` reads every gradient and momentum shard a
+#: [Note: content fingerprints] (overlap_muon/_wave_state.py): ``step()`` reads every gradient and momentum shard a
 #: wave read again (8 B/element, fp32), in three passes of the words (read, product write, product read).
 _CONTENT_BYTES = 24
 #: The content check's one host read per step on CUDA: the host waits for the queued work (a sync), seconds.

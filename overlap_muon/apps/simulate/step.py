@@ -143,9 +143,9 @@ def plan_question(
     Raises:
         ValueError: N, K or ``num_ranks`` < 1, an invalid shape, or an unknown policy.
     """
-    from ...scheduler.cost import ns_flops
-    from ...scheduler.homes import load_report
-    from ...scheduler.waves import plan_waves
+    from ..._scheduler.cost import ns_flops
+    from ..._scheduler.homes import load_report
+    from ..._scheduler.waves import plan_waves
 
     for fname, v in (("num_matrices", num_matrices), ("slots", slots)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -173,7 +173,7 @@ def plan_question(
         wmax.append(max(per))
         wmean.append(sum(per) / num_ranks)
     load = load_report(ns_s, homes, num_ranks)
-    from ...scheduler.surplus import SurplusCostModel, plan_surplus
+    from ..._scheduler.surplus import SurplusCostModel, plan_surplus
 
     cm = cost_model or SurplusCostModel(ns_flops_per_s=ns_flops_per_s, ns_steps=ns_steps)
     all_shapes = [tuple(shapes[i % len(shapes)]) for i in range(num_matrices)]

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .domain import Domain
-from .exchanges import run_collective
-from .lanes import LaneHandle
-from .placement import MuonParam
-from .wave_state import Hyper, WaveState
+from ._domain import Domain
+from ._exchanges import run_collective
+from ._lanes import LaneHandle
+from ._placement import MuonParam
+from ._wave_state import Hyper, WaveState
 
 __all__ = ["Agreement", "PostedChecks", "max_everywhere"]
 
@@ -44,7 +44,7 @@ class Agreement:
         ctrl_group: a gloo group over every rank of the job (``None``: one process, nothing to agree).
         expert_ctrl: a gloo group over this rank's expert domain (``None``: no expert domain).
         adamw_params: the AdamW params, whose gradient presence the step's agreement also carries ([Note: lazy
-            state] in ``state.py``).
+            state] in ``_state.py``).
     """
 
     def __init__(self, muon: list[MuonParam], ctrl_group: dist.ProcessGroup | None,
@@ -55,7 +55,7 @@ class Agreement:
 
     def stale(self, st: WaveState, hyper: Hyper, state: Any) -> str | None:
         """Would the wave compute something else if launched now, and why (a cause of ``messages.RERUN_CAUSES``)?
-        Its params with a gradient, then what its pack read ([Note: a wave's reads] in ``wave_state.py``).
+        Its params with a gradient, then what its pack read ([Note: a wave's reads] in ``_wave_state.py``).
         Host-side only."""
         items = [i for i in st.wave.params if self.muon[i].param.grad is not None]
         if items != st.items:
@@ -88,7 +88,7 @@ class Agreement:
     @staticmethod
     def _content(waves: list[Any], pending: dict[int, WaveState], why: list[str | None]) -> list[str | None]:
         """``why`` with ``"content"`` for each wave the records found unchanged whose bytes differ now ([Note:
-        content fingerprints] in ``wave_state.py``): one host read of every wave's flag together (on CUDA, one
+        content fingerprints] in ``_wave_state.py``): one host read of every wave's flag together (on CUDA, one
         sync per step)."""
         checks: list[tuple[int, Tensor]] = []
         for k, w in enumerate(waves):
@@ -106,7 +106,7 @@ class Agreement:
         flags = torch.stack([c.to(checks[0][1].device) for _, c in checks]).tolist()
         out = list(why)
         for (k, _), changed in zip(checks, flags):
-            if changed:  # [Note: a clip that does not bite] in version_fix.py: a device clip that bit
+            if changed:  # [Note: a clip that does not bite] in _version_fix.py: a device clip that bit
                 out[k] = "grad_edited:clip_grad_norm_" if pending[waves[k].index].reads.clipped else "content"
         return out
 
@@ -143,7 +143,7 @@ class Agreement:
 
     def adamw_elsewhere(self) -> set[int]:
         """``id``s of the AdamW params that had a gradient on another rank and not on this one at the last step's
-        agreement ([Note: lazy state] in ``state.py``); read once."""
+        agreement ([Note: lazy state] in ``_state.py``); read once."""
         out, self._adamw_elsewhere = self._adamw_elsewhere, set()
         return out
 

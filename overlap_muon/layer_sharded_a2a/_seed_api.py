@@ -2,7 +2,7 @@
 
 ``params_by_home``, ``route_to_ns_home``, ``route_from_ns_home`` are axis-generic: one exchange over one process
 group along one ``shard_dim`` per param. The caller runs it once over the remat group (dim 0) and once over the TP
-group (along the partition dim); the domain API's two-stage path (``domain_exchange.py``) does exactly that.
+group (along the partition dim); the domain API's two-stage path (``_domain_exchange.py``) does exactly that.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from overlap_muon.layout import chunk_offsets, chunk_sizes
+from overlap_muon._layout import chunk_offsets, chunk_sizes
 
 from ._checks import (
     _as_int,

@@ -6,7 +6,7 @@ owns that policy: the hooks, the waits (FSDP2's all-gather streams and prefetche
 regions ([Note: forward waits under torch.compile] in ``hooks/forward_wait.py``), the coverage check for weights
 read outside their module's forward (re-run whenever the set of params with a gradient grows), and the fallback
 when no forward runs between two steps. The default step needs none of it ([Note: the step barrier] in
-``runtime.py``).
+``_runtime.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from .placement import MuonParam
-from .hooks import compile_boundary, fsdp_param_streams, params_read_by_module, register_forward_waits, weak_callback
-from .messages import warn_user
+from ._placement import MuonParam
+from ._hooks import (compile_boundary, fsdp_param_streams, params_read_by_module, register_forward_waits,
+                     weak_callback)
+from ._messages import warn_user
 
 
 __all__ = ["ParamIndex", "ForwardWaits"]

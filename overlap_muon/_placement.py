@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from .discovery import mesh_dims
-from .layout import block, block_shape
+from ._discovery import mesh_dims
+from ._layout import block, block_shape
 from .split import SplitArg, apply_runs, resolve_split, strided_parts
 
 try:
@@ -49,7 +49,7 @@ class MuonParam:
     runs: tuple = ()  #: ``(start, stop, matrix shape, region)`` runs of local rows (``overlap_muon.split.apply_runs``)
     transposed: bool = False
     """The weight is stored ``(in, out)`` (Hugging Face ``Conv1D``): NS and the lr ratio see its transpose
-    (:attr:`ns_shape`), the ``(out, in)`` linear it is ([Note: transposed weights] in ``exchanges.py``)."""
+    (:attr:`ns_shape`), the ``(out, in)`` linear it is ([Note: transposed weights] in ``_exchanges.py``)."""
     expert: int | None = None
     """For a grouped expert weight (a 3-D ``(E, P, Q)`` param): which of this rank's ``E_local`` matrices this is;
     its shard is ``local_tensor(param)[expert]`` (:meth:`local`). ``None`` for a 2-D param."""

@@ -28,13 +28,13 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from . import builder
-from .comm import warm_up
+from . import _builder as builder
+from ._comm import warm_up
 from .config import OverlapMuonConfig
-from .domain import Domain
-from .hooks import ParamOwners, watch_for_ddp, weak_callback
-from .placement import local_tensor
-from .runtime import Runtime
+from ._domain import Domain
+from ._hooks import ParamOwners, watch_for_ddp, weak_callback
+from ._placement import local_tensor
+from ._runtime import Runtime
 
 logger = logging.getLogger("overlap_muon")
 
@@ -58,7 +58,7 @@ class ParamBinding:
         qk_spec: the ``QKClip`` given, or ``None``.
 
     Attributes:
-        muon: the Muon params as placed; runtime: the :class:`~overlap_muon.runtime.Runtime`; qk: the QK-clipper
+        muon: the Muon params as placed; runtime: the :class:`~overlap_muon._runtime.Runtime`; qk: the QK-clipper
         (``None`` without one); domain, expert_domain: this rank's domains; names: param id -> name at binding.
 
     Raises:
@@ -93,7 +93,7 @@ class ParamBinding:
         opt = self._opt()
         self.muon = placed.muon
         comm = builder.make_groups(placed, self.config, self.rank)
-        if self.config.warm_up:  # [Note: warm-up] in comm.py
+        if self.config.warm_up:  # [Note: warm-up] in _comm.py
             device = local_tensor(placed.muon[0].param).device if placed.muon else "cpu"
             opt.stats["warm_up_collectives"] += warm_up(comm, device, self.config.fused_a2a)
         self.domain, self.expert_domain = comm.dom_to, comm.expert[0] if comm.expert else Domain.single()

@@ -49,7 +49,7 @@ wraps ``clip_grads_with_norm_`` (the public name and the module global that ``cl
 - on a device (CUDA), reading it would be a host sync in every user clip, so torch multiplies as always and the
   wrapper notes the gradients' counters before and after (:func:`clipped_only`). A wave whose gradients only such a
   clip moved is not stale by its records: the commit compares its content fingerprint instead ([Note: content
-  fingerprints] in ``wave_state.py``, read with the other waves' flags, the step's one read), which is unchanged
+  fingerprints] in ``_wave_state.py``, read with the other waves' flags, the step's one read), which is unchanged
   exactly when the clip changed no bit. A held step ([Note: learned clipping] in ``scheduler/dispatch.py``) asks
   :func:`clip_bit` whether the clip bit: a flag copied to the host behind an event, read once the event has
   completed (no sync; until then the last flag read stands). Without the content check
@@ -215,8 +215,8 @@ def forget_completed() -> None:
 def wait_in_flight(tensors: Any) -> None:
     """Wait for every asynchronous collective issued through the wrapped ``torch.distributed`` functions that still
     writes the storage of one of ``tensors`` ([Note: in-place collectives]; [Note: a wave's reads] in
-    ``wave_state.py``): CPU, the calling thread blocks until it has written; CUDA (NCCL), the current stream waits on it.
-    Free when none is in flight."""
+    ``_wave_state.py``): CPU, the calling thread blocks until it has written; CUDA (NCCL), the current stream waits on
+    it. Free when none is in flight."""
     if not _in_flight:
         return
     mine = {_storage(t) for t in tensors}
@@ -369,7 +369,7 @@ def acquire(mesh: Any = None, flag_mover: Callable[[torch.Tensor], tuple[Any, to
     if new and (not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0):
         names = sorted({f"{m.__name__}.{n}" for m, n, _ in _originals})
         logger.info("OverlapMuon: wrapped %d torch functions (%s) so that in-place gradient edits move version "
-                    "counters, which overlap mode's stale-wave check reads (%s: see overlap_muon/version_fix.py); "
+                    "counters, which overlap mode's stale-wave check reads (%s: see overlap_muon/_version_fix.py); "
                     "same ops, same values; removed when the last overlap-mode OverlapMuon closes. Wrapped: %s",
                     len(names), ", ".join(sorted(new)), "torch 2.13 moves none for these", ", ".join(names[:12])
                     + (" ..." if len(names) > 12 else ""))

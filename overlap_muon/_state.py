@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .placement import MuonParam
+from ._placement import MuonParam
 
 __all__ = ["init_adamw_state", "checkpoint_meta", "checkpoint_errors"]
 

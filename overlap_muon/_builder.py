@@ -2,13 +2,13 @@
 everything on every rank, make the runtime's groups, plan the waves.
 
 Every function here runs at construction; ``place``, ``make_groups`` and ``plan`` run again when the optimizer
-re-binds params a framework replaced (``binding.py``), and ``plan`` once more when the observed gradient-ready order
+re-binds params a framework replaced (``_binding.py``), and ``plan`` once more when the observed gradient-ready order
 replaces the assumed one (``readiness_order="observed"``). Errors are raised on every rank before any collective of the
-runtime ([Note: what is checked where] below); the only collectives are the checks' own (``checks.py``) and the
-group creation (``comm.py``).
+runtime ([Note: what is checked where] below); the only collectives are the checks' own (``_checks.py``) and the
+group creation (``_comm.py``).
 
 [Note: what is checked where] The mesh or groups are checked first: every per-param check would be meaningless
-without a domain. Then each param's placement and shape (``placement.py``), the expert layout, the options (the
+without a domain. Then each param's placement and shape (``_placement.py``), the expert layout, the options (the
 ranks must agree on them), the ``split`` patterns, ``max_grad_norm``'s needs and the AdamW groups; all errors of a
 rank are gathered and raised together, on every rank (``checks.raise_everywhere``). The wave plan is compared across
 ranks after it is made (``checks.check_plan_everywhere``).
@@ -26,21 +26,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .checks import differs_across_ranks, option_errors, raise_everywhere
-from .comm import CommContext, build_comm, node_spans, stage_group, stage_replicas
+from ._checks import differs_across_ranks, option_errors, raise_everywhere
+from ._comm import CommContext, build_comm, node_spans, stage_group, stage_replicas
 from .config import OverlapMuonConfig
-from .discovery import discover_expert_layouts, discover_layouts, discover_stages, mesh_dims, my_coords
-from .placement import MuonParam
-from .messages import warn_user
-from .muon_math import check_hyperparameters
-from .placement import place_params
-from .scheduler import plan_by_domain, plan_waves, plan_waves_by_cost
-from .scheduler.cost import ns_cost
-from .scheduler.kinds import WavePlan, plan_kinds
-from .ns_strategy import Strategies
-from .scheduler.surplus_cost import PROFILES, SurplusCostModel
-from .scheduler.waves import Wave
-from .sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
+from ._discovery import discover_expert_layouts, discover_layouts, discover_stages, mesh_dims, my_coords
+from ._placement import MuonParam
+from ._messages import warn_user
+from ._muon_math import check_hyperparameters
+from ._placement import place_params
+from ._scheduler import plan_by_domain, plan_waves, plan_waves_by_cost
+from ._scheduler.cost import ns_cost
+from ._scheduler.kinds import WavePlan, plan_kinds
+from ._ns_strategy import Strategies
+from ._scheduler.surplus_cost import PROFILES, SurplusCostModel
+from ._scheduler.waves import Wave
+from ._sorting import adamw_param_groups, conv1d_weights, name_matches, sort_params, split_table
 
 __all__ = ["Placement", "unwrap", "check_arguments", "place", "make_groups", "param_groups", "plan", "ns_costs"]
 
@@ -66,7 +66,7 @@ class Placement:
     has_experts: bool
     """Some rank of the job has expert params (the expert groups are made on every rank)."""
     stages: list[list[int]] | None = None
-    """Every pipeline stage's ranks ([Note: pipeline stages] in ``discovery.py``; ``None``: one process)."""
+    """Every pipeline stage's ranks ([Note: pipeline stages] in ``_discovery.py``; ``None``: one process)."""
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
@@ -262,7 +262,7 @@ def _layout_errors(muon_named: list[tuple[str, Tensor]], expert_ids: set[int], e
     """Collective: an expert layout given with no expert param selected, expert counts that differ by rank of a
     stage (which would otherwise surface as a plan mismatch naming an unrelated param), or AdamW param counts that
     differ by rank of a stage (the step's agreement carries one flag per AdamW param: [Note: lazy state] in
-    ``state.py``). Also returns whether any rank of the job has expert params (every rank makes the expert groups
+    ``_state.py``). Also returns whether any rank of the job has expert params (every rank makes the expert groups
     then: group creation is collective over the job)."""
     errors = (["expert_mesh/etp_group given but experts= selects no Muon param"]
               if expert_layout and not expert_ids else [])
@@ -325,7 +325,7 @@ def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommConte
 
 def node_size(layouts: list[list[list[int]]] | None, config: OverlapMuonConfig) -> int | None:
     """The global ranks per node for the dense domain's two-hop exchanges (``config.node_exchange``; [Note:
-    node-aware exchange] in ``domain.py``), or ``None`` for flat ones: ``"off"``, no fused layer-sharded
+    node-aware exchange] in ``_domain.py``), or ``None`` for flat ones: ``"off"``, no fused layer-sharded
     exchanges, no node size (``node_size`` or ``LOCAL_WORLD_SIZE``), node sizes that differ across ranks (nodes of
     different sizes: said once), or domains that do not all span nodes the same way with at least 2 ranks on each
     (which ``"on"`` says): every replica must plan the same homes, and with one rank per node the second hop is the

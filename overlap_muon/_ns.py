@@ -2,7 +2,7 @@
 
 The default coefficients ``(3.4445, -4.7750, 2.0315)`` and 5 steps are those of ``torch.optim.Muon`` (which cites
 Keller Jordan's Muon post, https://kellerjordan.github.io/posts/muon/). The cost model (``ns_flops``) is the
-planner's (``overlap_muon.scheduler.cost``); this module, like every math and layout module, does not import it.
+planner's (``overlap_muon._scheduler.cost``); this module, like every math and layout module, does not import it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .layout import GRAM_MIN_ASPECT, gram_wins
+from ._layout import GRAM_MIN_ASPECT, gram_wins
 
 
 __all__ = ["zeropower", "zeropower_each", "adjusted_lr", "ADJUST_LR_FNS", "gram_zeropower", "gram_wins",

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .gram_mode import gram_orientations
-from .placement import MuonParam
-from .scheduler.strategy import pick_strategies
-from .sorting import _pattern
+from ._gram_mode import gram_orientations
+from ._placement import MuonParam
+from ._scheduler.strategy import pick_strategies
+from ._sorting import _pattern
 
 logger = logging.getLogger("overlap_muon")
 

@@ -1,6 +1,6 @@
 """The exchange kinds: how a wave's matrices reach the ranks that orthogonalize them, and come back.
 
-A wave's plan (:class:`overlap_muon.scheduler.kinds.WavePlan`, frozen at construction) names its kind; the runtime
+A wave's plan (:class:`overlap_muon._scheduler.kinds.WavePlan`, frozen at construction) names its kind; the runtime
 builds one :class:`Exchange` per wave from it, and the wave pipeline calls the same three methods for every kind:
 
 * ``to_compute(leg)``: from this rank's packed bf16 shards to the matrices this rank orthogonalizes (``leg.mats``,
@@ -21,10 +21,10 @@ kind           trip
 ``gathered``   every rank all-gathers every matrix and runs its NS, keeping its own block (``duplicated`` mode, and
                waves the surplus plan gives every rank)
 ``team``       re-laid into column blocks of the long dim, NS split over the domain ([Note: team NS by columns] in
-               ``team_ns.py``), re-laid back; not bitwise
+               ``_team_ns.py``), re-laid back; not bitwise
 ``local``      the matrix is whole on every rank (replicated params, an expert's own matrices): NS in place
 ``dp_shared``  ``routed`` over this replica's matrices, then the DP swap brings the other replicas' blocks
-               ([Note: DP replicas as NS slots] in ``comm.py``)
+               ([Note: DP replicas as NS slots] in ``_comm.py``)
 =============  ==================================================================================================
 """
 
@@ -40,14 +40,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import DPSlots
-from .domain import Domain
-from .placement import MuonParam
-from .scheduler.kinds import WavePlan
+from ._comm import DPSlots
+from ._domain import Domain
+from ._placement import MuonParam
+from ._scheduler.kinds import WavePlan
 from .layer_sharded_a2a import all_gather_full, from_homes, from_team, local_shard, to_homes, to_team
-from .ns import split_ns, zeropower_each
-from .gram_mode import sharded_gram_zeropower
-from .team_ns import team_zeropower_oriented
+from ._ns import split_ns, zeropower_each
+from ._gram_mode import sharded_gram_zeropower
+from ._team_ns import team_zeropower_oriented
 
 __all__ = ["run_collective", "Leg", "ExchangeContext", "Exchange", "Routed", "Gathered", "Team", "Gram", "Local",
            "DPShared", "WaveExchanges", "build_exchange"]
@@ -116,11 +116,11 @@ class ExchangeContext:
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Guards ``stats`` where two threads run :meth:`ns` at once."""
     gram_restart_every: int = 5
-    """``mode="gram"``: NS steps between two all-reduces of a matrix's Gram (``gram_mode.py``)."""
+    """``mode="gram"``: NS steps between two all-reduces of a matrix's Gram (``_gram_mode.py``)."""
 
     def ns(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
         """NS of each ``(P, Q)`` bf16 matrix (``ns.zeropower_each``; same-shape ones batched with ``batch_ns``).
-        Two threads may run it at once ([Note: a waiting thread helps] in ``lanes.py``): the counts add under a
+        Two threads may run it at once ([Note: a waiting thread helps] in ``_lanes.py``): the counts add under a
         lock."""
         counts = {"ns_matrices": 0, "ns_calls": 0}
         out = zeropower_each(mats, kw, self.batch_ns, counts)
@@ -130,7 +130,7 @@ class ExchangeContext:
         return out
 
     def gram_ns(self, blocks: list[Tensor], talls: list[bool], kw: dict[str, Any]) -> list[Tensor]:
-        """[Note: sharded Gram NS] in ``gram_mode.py``: each matrix's NS over its blocks, in Gram space on
+        """[Note: sharded Gram NS] in ``_gram_mode.py``: each matrix's NS over its blocks, in Gram space on
         ``team_group`` (collective, in the same order on every rank)."""
         with self.lock:
             self.stats["ns_matrices"] += len(blocks)
@@ -154,14 +154,14 @@ class ExchangeContext:
 
 class Exchange:
     """One wave's exchange of one kind. ``dom_to`` / ``dom_from``: the wave's domain with the gather and the scatter
-    lanes' own groups (one group set per communicating lane, ``lanes.py``)."""
+    lanes' own groups (one group set per communicating lane, ``_lanes.py``)."""
 
     kind = "?"
     op = "all_to_all"
     """The collective named in errors."""
     ns_collective = False
     """Its NS issues collectives: its NS task stays on the compute lane's thread ([Note: a waiting thread helps] in
-    ``lanes.py``)."""
+    ``_lanes.py``)."""
 
     def __init__(self, ctx: ExchangeContext, index: int, dom_to: Domain, dom_from: Domain) -> None:
         self.ctx, self.index, self.dom_to, self.dom_from = ctx, index, dom_to, dom_from
@@ -207,7 +207,7 @@ class Exchange:
 
 
 class Local(Exchange):
-    """The matrices are whole here: no exchange ([Note: replicated params] in ``placement.py``)."""
+    """The matrices are whole here: no exchange ([Note: replicated params] in ``_placement.py``)."""
 
     kind = "local"
 
@@ -259,7 +259,7 @@ class Team(Exchange):
 
 class Gram(Exchange):
     """No exchange: each rank keeps its block, and NS runs in Gram space over the blocks on the compute lane's own
-    group ([Note: sharded Gram NS] in ``gram_mode.py``; ``tall``: per param, whether its rows are split)."""
+    group ([Note: sharded Gram NS] in ``_gram_mode.py``; ``tall``: per param, whether its rows are split)."""
 
     kind, op = "gram", "all_reduce"
     ns_collective = True
@@ -374,7 +374,7 @@ class DPShared(Exchange):
         shapes = {m.index: tuple(m.local(m.param).shape) for m in order}
         n = [sum(math.prod(shapes[m.index]) for m in order if owner[m.index] == r) for r in range(dp.size)]
         device = order[0].local(order[0].param).device
-        dtype = own[0].dtype if own else torch.bfloat16  # NS results are bf16 (overlap_muon.ns)
+        dtype = own[0].dtype if own else torch.bfloat16  # NS results are bf16 (overlap_muon._ns)
         send = torch.cat([u.reshape(-1) for u in own]) if own else torch.empty(0, dtype=dtype, device=device)
         recv = torch.empty(sum(n), dtype=dtype, device=device)
         dist.all_to_all_single(recv, send.repeat(dp.size), output_split_sizes=n,
@@ -392,7 +392,7 @@ class DPShared(Exchange):
 @dataclass
 class WaveExchanges:
     """One wave's exchanges: its kind's (``main``), ``local`` for its replicated params ([Note: replicated params]
-    in ``placement.py``), ``gram`` for the params NS'd over their blocks (``mode="gram"``, ``auto``'s Gram picks)
+    in ``_placement.py``), ``gram`` for the params NS'd over their blocks (``mode="gram"``, ``auto``'s Gram picks)
     and ``gathered`` for ``auto``'s duplicated picks in a routed wave ([Note: NS strategy per weight] in
     ``scheduler/strategy.py``)."""
 

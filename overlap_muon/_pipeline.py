@@ -7,23 +7,23 @@
    ``WaveDispatcher`` calls :meth:`WavePipeline.launch` for ``W``'s wave ``k`` once every matrix of the wave is
    ready (strictly in wave order on every rank: docs/design.md, invariant 2).
 2. ``launch`` builds a :class:`WaveState` (the gradients it reads, the hyper-parameters, the record of its inputs)
-   and queues up to five lane tasks (``lanes.py``): ``check`` (the domain agrees on gradient presence,
-   ``agreement.py``; on CUDA posted, the other four queued once it is back), ``pack`` (wait for collectives still
+   and queues up to five lane tasks (``_lanes.py``): ``check`` (the domain agrees on gradient presence,
+   ``_agreement.py``; on CUDA posted, the other four queued once it is back), ``pack`` (wait for collectives still
    writing its gradients; new momentum, Nesterov, bf16 cast: the wave's only reads of ``.grad``), ``to_home`` (the
-   wave's exchange, ``exchanges.py``, to the ranks that orthogonalize each matrix), ``compute`` (the exchange kind's
+   wave's exchange, ``_exchanges.py``, to the ranks that orthogonalize each matrix), ``compute`` (the exchange kind's
    NS) and ``from_home`` (the exchange back: this rank's block of every ``O``). The exchange kind is the wave's
    frozen plan's (``scheduler/kinds.py``). Nothing the user can see changes: the wave is *speculative*.
 3. ``step()`` calls :meth:`WavePipeline.commit`: a wave is *stale* when its set of gradients changed, or when
    anything it read changed since (a gradient edited in place or replaced, the state mapping, a state entry or
-   momentum buffer replaced or edited, a momentum/NS hyper-parameter: [Note: a wave's reads] in ``wave_state.py``);
-   the ranks agree on the stale set and on gradient presence (``agreement.py``) and re-launch those waves. Then
+   momentum buffer replaced or edited, a momentum/NS hyper-parameter: [Note: a wave's reads] in ``_wave_state.py``);
+   the ranks agree on the stale set and on gradient presence (``_agreement.py``) and re-launch those waves. Then
    one ``apply`` task per wave, after every wave's scatter (a step applies whole or not at all), commits the
    momentum and applies weight decay and the update with the ``lr`` and ``weight_decay`` of that ``step()`` call,
    each element rounded as ``torch.optim.Muon``'s ``add_`` rounds it in the full matrix ([Note: the apply follows
-   torch's kernel path] in ``muon_math.py``).
-4. ``step()`` waits for the applies before it returns ([Note: the step barrier] in ``runtime.py``; CUDA: a
+   torch's kernel path] in ``_muon_math.py``).
+4. ``step()`` waits for the applies before it returns ([Note: the step barrier] in ``_runtime.py``; CUDA: a
    stream wait), or with ``async_step`` the next forward's pre-hook for ``W``'s module does
-   (``forward_waits.py``). Then the wave's state is released (:meth:`WavePipeline.reap`).
+   (``_forward_waits.py``). Then the wave's state is released (:meth:`WavePipeline.reap`).
 
 [Note: release on time] (docs/design.md, invariant 9) A :class:`WaveState` names every tensor the wave holds. On CPU
 each task drops what the next one no longer needs (the full matrices after NS, the NS results and packed
@@ -32,7 +32,7 @@ the pipeline at the first wait or reap after its apply. On CUDA a tensor read on
 that allocated it must live until that stream is done with it (invariant 5, no ``record_stream``), so the state
 keeps all of them until the current stream has waited on its apply event (the step barrier, or ``async_step``'s
 forward wait for its module), and is released then, with no host sync (why that is enough: ``LateRelease`` in
-``wave_state.py``); a wave nothing waits on (discarded, or retired by a new plan) is released once its events have
+``_wave_state.py``); a wave nothing waits on (discarded, or retired by a new plan) is released once its events have
 completed (``event.query()``). Nothing is held into the next step.
 """
 
@@ -45,19 +45,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .scheduler.kinds import WavePlan
-from .scheduler.waves import Wave
+from ._scheduler.kinds import WavePlan
+from ._scheduler.waves import Wave
 
-from .agreement import Agreement, PostedChecks
-from .comm import CommContext
+from ._agreement import Agreement, PostedChecks
+from ._comm import CommContext
 from .config import OverlapMuonConfig
-from .domain import Domain
-from .placement import MuonParam
-from .lanes import Lanes, prof_range, wave_range_name
-from .exchanges import ExchangeContext, WaveExchanges, build_exchange
-from .muon_math import (CommitAtApply, CommitAtPack, KeepForApply, apply_update, create_momentum, host_alphas,
+from ._domain import Domain
+from ._placement import MuonParam
+from ._lanes import Lanes, prof_range, wave_range_name
+from ._exchanges import ExchangeContext, WaveExchanges, build_exchange
+from ._muon_math import (CommitAtApply, CommitAtPack, KeepForApply, apply_update, create_momentum, host_alphas,
                         ns_input)
-from .wave_state import EarlyRelease, Hyper, LateRelease, Reads, WaveState
+from ._wave_state import EarlyRelease, Hyper, LateRelease, Reads, WaveState
 
 __all__ = ["WavePipeline"]
 
@@ -69,14 +69,14 @@ class WavePipeline:
         muon: the Muon params (index ``i`` is ``muon[i].index``).
         state: the optimizer's ``state`` dict (``state[param]["momentum_buffer"]``).
         comm: the runtime's groups (``comm.build_comm``): the dense domain with the group sets of the gather and
-            the scatter lanes ([Note: one process-group set per communicating lane] in ``lanes.py``), the expert
-            domain's (the routes of the waves with ``wave.domain == 1``, [Note: two domains] in ``discovery.py``;
+            the scatter lanes ([Note: one process-group set per communicating lane] in ``_lanes.py``), the expert
+            domain's (the routes of the waves with ``wave.domain == 1``, [Note: two domains] in ``_discovery.py``;
             without one, expert matrices are this rank's own, NS'd where they live), the DP slots ([Note: DP
             replicas as NS slots]) and the team group (``surplus="team"``).
         config: the runtime options.
         device: where the Muon params live.
         stats: the optimizer's counters (``ns_matrices``, ``ns_calls``, ``waves_launched``, ``reruns``).
-        agreement: what the ranks agree on (``agreement.py``): each wave's gradient presence, the step's stale waves.
+        agreement: what the ranks agree on (``_agreement.py``): each wave's gradient presence, the step's stale waves.
     """
 
     def __init__(self, muon: Sequence[MuonParam], state: dict, comm: CommContext, config: OverlapMuonConfig,
@@ -133,7 +133,7 @@ class WavePipeline:
             st.empty = True
         else:
             # The pack waits for the applies of earlier waves that still write its momentum buffers; without any,
-            # the buffers' counters are recorded now ([Note: a wave's reads] in wave_state.py), else by the pack.
+            # the buffers' counters are recorded now ([Note: a wave's reads] in _wave_state.py), else by the pack.
             with self._lock:
                 writers = [a.h_apply for a in self._applied.values()
                            if a.h_apply is not None and not a.h_apply.done() and set(a.items) & set(items)]
@@ -179,7 +179,7 @@ class WavePipeline:
         """The NS input of each item (bf16 shards; ``None`` where ``skip``: another replica computes it). The new
         momentum is made as the wave's commit policy says (``st.momentum``: out of place, kept, or in place)."""
         h = st.hyper
-        grads, bufs = st.reads.read(self.state, mps)  # [Note: a wave's reads] in wave_state.py
+        grads, bufs = st.reads.read(self.state, mps)  # [Note: a wave's reads] in _wave_state.py
         news = st.momentum.pack(bufs, grads, h.momentum)
         return [None if s else ns_input(g, n, h.momentum, h.nesterov) for s, n, g in zip(skip, news, grads)]
 
@@ -337,7 +337,7 @@ class WavePipeline:
         Raises:
             RuntimeError: a lane task of the wave failed (its traceback is chained).
         """
-        self.lanes.help()  # [Note: a waiting thread helps] in lanes.py
+        self.lanes.help()  # [Note: a waiting thread helps] in _lanes.py
         for k in waves:
             with self._lock:
                 st = self._applied.get(k)

@@ -1,6 +1,6 @@
 """The domain API of the routing: ``local_shard``, ``to_homes`` and ``from_homes`` over the ``R x T`` layouts.
 
-They speak the domain's layouts directly. ``fused=False`` runs the two seed stages (``seed_api.py``);
+They speak the domain's layouts directly. ``fused=False`` runs the two seed stages (``_seed_api.py``);
 ``fused=True`` does the whole move in one ``all_to_all_single`` over the domain's flat group, or, where the domain
 has node groups, in two hops over nodes with the same results ([Note: node-aware exchange], ``_nodes.py``).
 """
@@ -12,14 +12,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from overlap_muon.domain import Domain
+from overlap_muon._domain import Domain
 
-from overlap_muon.layout import block, block_shape
+from overlap_muon._layout import block, block_shape
 
 from ._checks import _check_domain_inputs, _check_pd, _check_results, _Params
 from ._nodes import TwoHops, two_hops
 from ._route import _block_region, _cached, _execute, _mismatch, _Out, _Packer, _Piece, _Route
-from .seed_api import _route_from, _route_to, params_by_home
+from ._seed_api import _route_from, _route_to, params_by_home
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def to_homes(
         homes: flat home index ``g*T + t`` of each param.
         partition_dims: TP partition dim of each param: 0, 1 or None.
         full_shapes: full ``(P, Q)`` of each param.
-        domain: this rank's :class:`~overlap_muon.domain.Domain`.
+        domain: this rank's :class:`~overlap_muon._domain.Domain`.
         fused: True: one ``all_to_all_single`` over ``domain.flat_group``; the home assembles each matrix from
             its R*T blocks (for partition_dim None from the R ranks with its ``t``). False: two seed stages,
             stage 1 over ``remat_group`` along dim 0 to the home's ``g`` (None-partition params only in the remat
@@ -178,7 +178,7 @@ def _remat_length(full: tuple[int, int], pd: int | None, T: int, t: int) -> int:
 
 def _hops(plan: dict | None, key: str, route: _Route, domain: Domain, mate_sends) -> TwoHops | None:
     """The fused ``route``'s two-hop transport where ``domain`` spans nodes ([Note: node-aware exchange] in
-    ``overlap_muon/domain.py``), cached in ``plan`` beside the route; ``None``: one flat ``all_to_all``."""
+    ``overlap_muon/_domain.py``), cached in ``plan`` beside the route; ``None``: one flat ``all_to_all``."""
     if domain.nodes is None:
         return None
     got = None if plan is None else plan.get(key)

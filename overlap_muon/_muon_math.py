@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .messages import warn_user
-from .ns import ADJUST_LR_FNS, _schedule, adjusted_lr
+from ._messages import warn_user
+from ._ns import ADJUST_LR_FNS, _schedule, adjusted_lr
 
 
 __all__ = ["check_hyperparameters", "momentum_update", "momentum_update_", "ns_input", "apply_update", "host_alphas",
@@ -66,7 +66,7 @@ def check_hyperparameters(
 
     Raises:
         ValueError: a tensor ``lr`` with more than one element, a negative ``lr``/``momentum``/``weight_decay``/
-            ``eps``, an ``adjust_lr_fn`` not in :data:`~overlap_muon.ns.ADJUST_LR_FNS`, or malformed
+            ``eps``, an ``adjust_lr_fn`` not in :data:`~overlap_muon._ns.ADJUST_LR_FNS`, or malformed
             ``ns_coefficients``/``ns_steps``.
     """
     if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -134,9 +134,9 @@ def apply_update(
         update: this rank's block of ``O = zeropower(U)`` (bf16), same shape as ``param``, any layout.
         lr: the learning rate now (float or 0-d tensor, as the param group holds it).
         weight_decay: ``lambda``.
-        adjust_lr_fn: ``None``/``"original"``/``"match_rms_adamw"`` (:func:`overlap_muon.ns.adjusted_lr`).
+        adjust_lr_fn: ``None``/``"original"``/``"match_rms_adamw"`` (:func:`overlap_muon._ns.adjusted_lr`).
         full_shape: the FULL logical ``(P, Q)`` of the matrix, never the shard's.
-        region: ``(row0, rows, col0, cols)`` of the shard in the full matrix (``overlap_muon.layout.block``);
+        region: ``(row0, rows, col0, cols)`` of the shard in the full matrix (``overlap_muon._layout.block``);
             ``None``: the shard is the whole matrix.
         alpha: ``-adjusted_lr`` already read on the host (:func:`host_alphas`); ``None``: computed here.
     """

@@ -1,7 +1,7 @@
 """Team layout: every matrix re-laid between the shard layout and the team NS layout, and back.
 
 ``to_team`` / ``from_team`` move every matrix between the shard layout (``local_shard``) and the team NS layout
-(each rank one block of the long dim, ``team_block``), one ``all_to_all_single`` each (``overlap_muon.team_ns``).
+(each rank one block of the long dim, ``team_block``), one ``all_to_all_single`` each (``overlap_muon._team_ns``).
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from overlap_muon.domain import Domain
+from overlap_muon._domain import Domain
 
-from overlap_muon.layout import block, chunk_offsets, chunk_sizes
+from overlap_muon._layout import block, chunk_offsets, chunk_sizes
 
 from ._checks import _check_domain_inputs, _check_full_shape, _check_pd, _common_dtype
 from ._route import _cached, _execute, _Out, _Packer, _Piece, _Region, _Route
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Team layout: the long dim split over the whole domain (overlap_muon.team_ns).
+# Team layout: the long dim split over the whole domain (overlap_muon._team_ns).
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -31,7 +31,7 @@ def team_block(full_shape: tuple[int, int], size: int, member: int) -> tuple[int
     NS runs on the oriented matrix (``(P, Q)``, or its transpose when ``P > Q``), whose columns are the long dim; a
     team splits them (``torch.chunk`` sizes), so a member holds all ``P`` rows and a column block of a wide or
     square matrix, or a row block and all ``Q`` columns of a tall one. See [Note: team NS by columns] in
-    ``overlap_muon/team_ns.py``.
+    ``overlap_muon/_team_ns.py``.
     """
     P, Q = full_shape
     if P > Q:

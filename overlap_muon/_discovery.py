@@ -2,7 +2,7 @@
 
 The dense ``remat x TP`` domains (:func:`mesh_dims`, :func:`discover_layouts`), the expert domains
 (:func:`discover_expert_layouts`, with [Note: two domains]), the pipeline stages (:func:`discover_stages`) and this
-rank's coordinates in its domain (:func:`my_coords`). How each param lies in its domain is ``placement.py``'s.
+rank's coordinates in its domain (:func:`my_coords`). How each param lies in its domain is ``_placement.py``'s.
 """
 
 from __future__ import annotations

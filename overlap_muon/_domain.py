@@ -9,8 +9,8 @@ Group ranks follow global-rank order (``torch.distributed.new_group`` sorts), so
 standard layout in which global ranks increase with ``g*T + t`` inside a domain; then the group rank is ``g`` in
 ``remat_group``, ``t`` in ``tp_group`` and ``g*T + t`` in ``flat_group``.
 
-Which block of a matrix a rank holds is ``layout.block``; the domains' layouts come from ``discovery.py``; where each
-param lies in its domain, ``placement.py``.
+Which block of a matrix a rank holds is ``layout.block``; the domains' layouts come from ``_discovery.py``; where each
+param lies in its domain, ``_placement.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Domain:
     """This rank's place in the ``R x T`` weight-shard domain and the runtime's own groups over it.
 
     ``remat_group`` / ``tp_group`` / ``flat_group`` are ``None`` when the corresponding size is 1 (no
-    communication: one code path for world size 1). Built by ``overlap_muon.comm``.
+    communication: one code path for world size 1). Built by ``overlap_muon._comm``.
     """
 
     remat_size: int  #: R, the GTP_remat size

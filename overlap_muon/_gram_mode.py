@@ -14,7 +14,7 @@ distributed mode), ``k = 4`` the source's Refresh-4.
 Stability: ``R0`` squares the singular values, so in bf16 the small ones drown in its rounding (the source parked
 gram_once for that). Here the blocks are the bf16 NS input as every path has it, but the Gram, its all-reduce, the
 normalization (``||X||_F² = tr R0``) and the whole ``P x P`` iteration run in fp32, and ``M`` is applied in fp32
-before the one rounding to bf16 of the result. Not bitwise with :func:`overlap_muon.ns.zeropower` (another order of
+before the one rounding to bf16 of the result. Not bitwise with :func:`overlap_muon._ns.zeropower` (another order of
 operations); its error against a float64 NS is measured per shape in ``tests/test_gram_mode.py`` and held there.
 """
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ns import DEFAULT_NS_COEFFICIENTS, Coefficients, _schedule
+from ._ns import DEFAULT_NS_COEFFICIENTS, Coefficients, _schedule
 
 __all__ = ["sharded_gram_zeropower", "gram_collectives", "gram_orientations"]
 
@@ -86,7 +86,7 @@ def sharded_gram_zeropower(
         group: the process group the matrix is split over (``None``: the whole matrix is here).
         tall: the matrix is tall (its Gram side is its columns).
         restart_every: re-form the Gram from the blocks every this many steps (>= 1).
-        ns_coefficients, ns_steps, eps: as :func:`overlap_muon.ns.zeropower`.
+        ns_coefficients, ns_steps, eps: as :func:`overlap_muon._ns.zeropower`.
 
     Returns:
         This rank's block of the orthogonalized matrix, bf16, ``shard``'s shape.

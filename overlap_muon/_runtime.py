@@ -15,19 +15,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import builder, version_fix
-from .agreement import Agreement
-from .checks import check_plan_everywhere
-from .clip import ClipCount, clip_grads_by_total_norm_
-from .comm import CommContext
-from .placement import local_tensor
-from .forward_waits import ParamIndex
-from .ns_strategy import ns_strategies
-from .overlap_choice import overlap_choice
-from .pipeline import WavePipeline
-from .scheduler import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher
-from .wave_state import Hyper
-from .wiring import Wiring
+from . import _builder as builder, _version_fix as version_fix
+from ._agreement import Agreement
+from ._checks import check_plan_everywhere
+from ._clip import ClipCount, clip_grads_by_total_norm_
+from ._comm import CommContext
+from ._placement import local_tensor
+from ._forward_waits import ParamIndex
+from ._ns_strategy import ns_strategies
+from ._overlap_choice import overlap_choice
+from ._pipeline import WavePipeline
+from ._scheduler import BackwardCount, LearnedEdits, ReadinessRecorder, WaveDispatcher
+from ._wave_state import Hyper
+from ._wiring import Wiring
 
 __all__ = ["Runtime", "StepPhase"]
 

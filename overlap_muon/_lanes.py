@@ -222,7 +222,7 @@ class Lanes:
         CUDA: ``fn`` runs now on the calling thread inside the lane's stream, which first waits on the
         dependencies' events and on the current stream (the producer of the inputs); the tensors it touches are
         kept by the caller (``WaveState``) until the current stream has waited on the wave's apply ([Note: release
-        on time] in ``pipeline.py``); an error it raises stays in the handle for the next wait.
+        on time] in ``_pipeline.py``); an error it raises stays in the handle for the next wait.
         """
         h = LaneHandle(lane, self.device)
         if name is not None:
@@ -271,7 +271,7 @@ class Lanes:
         except Exception as e:  # noqa: BLE001 - kept for the next wait, as a CPU future keeps it
             h.error = e
         # The tensors the task touched are kept alive by the caller (the wave pipeline's WaveState) until the
-        # current stream has waited on the apply that follows them ([Note: release on time] in pipeline.py).
+        # current stream has waited on the apply that follows them ([Note: release on time] in _pipeline.py).
 
     def _share(self, run: Callable[[], Any]) -> Callable[[], Any]:
         """Queue ``run`` as a :class:`_Shared` task; return what the lane's worker runs for it."""
@@ -312,7 +312,7 @@ class Lanes:
 
     def refuse_capture(self, what: str) -> None:
         """Raise a ``RuntimeError`` saying ``what`` (why it cannot run captured, and the fix) when the current
-        stream is capturing a CUDA graph ([Note: CUDA graph capture] in ``wiring.py``): an event query or a wait on
+        stream is capturing a CUDA graph ([Note: CUDA graph capture] in ``_wiring.py``): an event query or a wait on
         an event recorded outside the capture would invalidate it, and a replay would run none of it."""
         if self.capturing():
             raise RuntimeError(f"OverlapMuon: {what}")

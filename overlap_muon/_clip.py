@@ -12,7 +12,7 @@ skipping it is exact. We keep (b): it sends no extra bytes, costs nothing on the
 torch's own arithmetic. Its cost: the steps that clip lose their overlap (measured in the ``overlap`` bench case).
 On CPU the decision reads one scalar on the host; on CUDA nothing is read: the gradients are always multiplied and
 the waves' content check tells a coefficient of exactly 1.0 ([Note: a clip that does not bite] in
-``version_fix.py``).
+``_version_fix.py``).
 Where clipping bites step after step, the runtime stops speculating after the first such step and launches the
 waves in ``step()``, after the clip ([Note: learned clipping] in ``scheduler/dispatch.py``).
 """
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .lanes import flag_to_host
-from .placement import local_tensor
-from .version_fix import FlagQueue, host_read_free, note_device_clip, versions
+from ._lanes import flag_to_host
+from ._placement import local_tensor
+from ._version_fix import FlagQueue, host_read_free, note_device_clip, versions
 
 try:
     from torch.distributed.tensor import DTensor
@@ -53,7 +53,7 @@ def clip_grads_by_total_norm_(grads: Sequence[Tensor], max_norm: float) -> tuple
         ``(total_norm, clipped)``: the 0-d float total norm (before clipping) and whether the gradients were
         scaled (False when the coefficient is exactly 1.0: no bit would change). On a device (CUDA) the
         coefficient is not read: the gradients are always multiplied (by exactly 1.0 where it does not bite: same
-        bits; the waves' content check sees it, [Note: a clip that does not bite] in ``version_fix.py``) and
+        bits; the waves' content check sees it, [Note: a clip that does not bite] in ``_version_fix.py``) and
         ``clipped`` is a 0-d bool tensor on the device (:class:`ClipCount` counts it once readable).
     """
     if not grads:

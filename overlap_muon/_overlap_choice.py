@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .agreement import max_everywhere
-from .messages import warn_user
+from ._agreement import max_everywhere
+from ._messages import warn_user
 
 logger = logging.getLogger("overlap_muon")
 

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .layout import team_row_counts
+from ._layout import team_row_counts
 
-from .ns import DEFAULT_NS_COEFFICIENTS, SYRK_BLOCK, Coefficients, _check_block, _schedule, sym_gram, sym_poly
+from ._ns import DEFAULT_NS_COEFFICIENTS, SYRK_BLOCK, Coefficients, _check_block, _schedule, sym_gram, sym_poly
 
 __all__ = ["team_zeropower_full", "team_zeropower_blocks", "team_zeropower_oriented", "team_norms",
            "team_row_counts"]
@@ -99,9 +99,9 @@ def team_zeropower_blocks(
             transpose of a tall update), any float dtype (cast to bf16 as the reference casts); ``n_j`` may be 0.
         norms: per matrix, the whole matrix's Frobenius norm (0-dim; :func:`team_norms`).
         group: the team; ``None`` or size 1 runs alone.
-        ns_coefficients, ns_steps, eps: as :func:`overlap_muon.ns.zeropower`.
+        ns_coefficients, ns_steps, eps: as :func:`overlap_muon._ns.zeropower`.
         syrk, syrk_block: compute the partial Gram and ``b*A + c*A@A`` as symmetric block products
-            (``overlap_muon.ns.sym_gram`` / ``sym_poly``): fewer FLOPs, a further (small) rounding difference.
+            (``overlap_muon._ns.sym_gram`` / ``sym_poly``): fewer FLOPs, a further (small) rounding difference.
         split_poly: per matrix (or one for all): each member computes only its row block of ``B = b*A + c*A@A``
             (``team_row_counts(m, k)`` rows, in group-rank order) and the team all-gathers ``B`` (one all-gather
             per step for all such matrices): ``1/k`` of the ``2*m**3`` FLOPs for one more collective
@@ -208,7 +208,7 @@ def team_zeropower_full(
     Args:
         X: ``(P, Q)`` float tensor, the same on every member.
         group: the team; ``None`` or size 1 runs alone.
-        ns_coefficients, ns_steps, eps: as :func:`overlap_muon.ns.zeropower`.
+        ns_coefficients, ns_steps, eps: as :func:`overlap_muon._ns.zeropower`.
         split_poly: also split ``b*A + c*A@A`` by rows (:func:`team_zeropower_blocks`).
 
     Returns:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .domain import Domain, NodeHops
+from ._domain import Domain, NodeHops
 
 __all__ = ["CommContext", "build_comm", "domain_from_layouts", "domain_group", "DPSlots", "dp_slot_groups",
            "stage_replicas", "node_spans", "node_hops", "warm_up"]
@@ -113,7 +113,7 @@ def node_spans(flat: list[int], node_size: int) -> tuple[int, int] | None:
 
 def node_hops(layouts: list[list[list[int]]], node_size: int, timeout: datetime.timedelta | None = None
               ) -> NodeHops | None:
-    """This rank's :class:`~overlap_muon.domain.NodeHops` ([Note: node-aware exchange] in ``domain.py``): for every
+    """This rank's :class:`~overlap_muon._domain.NodeHops` ([Note: node-aware exchange] in ``_domain.py``): for every
     domain of ``layouts`` that spans nodes evenly (:func:`node_spans`), a group per node over its ranks there and a
     group per local index over the nodes. ``None`` where this rank's domain does not. Collective over the default
     group: every rank creates every domain's groups, in one order."""
@@ -243,10 +243,10 @@ def build_comm(layouts: list[list[list[int]]] | None, elayouts: list[list[list[i
         team: make the team group (``surplus="team"|"auto"``, no DP slots).
         dp_slots: make the DP-slot groups (the replicas of a stage share the dense domain's NS work).
         experts: make the expert domain's groups.
-        stages: every pipeline stage's ranks ([Note: pipeline stages] in ``discovery.py``); ``step()``'s agreement
+        stages: every pipeline stage's ranks ([Note: pipeline stages] in ``_discovery.py``); ``step()``'s agreement
             group is this rank's stage (``None`` or one stage: every rank).
         node_size: global ranks per node, for the dense domain's two-hop exchanges ([Note: node-aware exchange] in
-            ``domain.py``); ``None``: one flat ``all_to_all``.
+            ``_domain.py``); ``None``: one flat ``all_to_all``.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     distributed = layouts is not None and dist.get_world_size() > 1

@@ -21,7 +21,7 @@ def _internal_dirs() -> tuple[str, ...]:
     """The folders whose frames a warning skips: torch's and this project's packages (``hooks`` and ``scheduler``
     live beside ``overlap_muon`` in a source checkout)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    mods = [sys.modules.get(n) for n in ("overlap_muon.hooks", "overlap_muon.scheduler")]
+    mods = [sys.modules.get(n) for n in ("overlap_muon._hooks", "overlap_muon._scheduler")]
     dirs = [os.path.dirname(os.path.abspath(torch.__file__)), here]
     dirs += [os.path.dirname(os.path.abspath(m.__file__)) for m in mods
              if m is not None and getattr(m, "__file__", None)]

@@ -14,12 +14,12 @@ recorded, and why it suffices:
   momentum buffer** (the tensor object, or none yet), by identity: rebinding ``opt.state``, ``clear()``, a new entry
   or a replaced buffer all change an identity.
 * **each gradient** (the tensor object) and **the version counters** of every tensor read (gradients, momentum
-  buffers, and their local shards: [Note: DTensor foreach versions] in ``version_fix.py``). An in-place op moves a
+  buffers, and their local shards: [Note: DTensor foreach versions] in ``_version_fix.py``). An in-place op moves a
   tensor's counter *after* it has written (autograd's ``ADInplaceOrView`` kernels bump after the op), so an edit
   that overlaps the read, on any thread, leaves a counter that differs from the one recorded before the read.
 * **collectives still writing a gradient**: an asynchronous c10d collective (``dist.all_reduce(g, async_op=True)``
   from the user's own gradient hook) writes after its call returned, below autograd. The read first waits for
-  every such collective on the gradient's storage (:func:`overlap_muon.version_fix.wait_in_flight`); one issued
+  every such collective on the gradient's storage (:func:`overlap_muon._version_fix.wait_in_flight`); one issued
   after the versions were recorded moved the counter at its call ([Note: in-place collectives]), so either the
   read saw its result or the commit re-runs the wave.
 
@@ -35,7 +35,7 @@ own by design; memory shared through ``numpy()``, DLPack or ``set_``; a collecti
 records do not decide alone: the pack takes a fingerprint of the bytes it reads, and the commit compares it where
 the records saw nothing ([Note: content fingerprints]; ``content_check``).
 
-[Note: release on time] in ``pipeline.py`` says who releases what, and when.
+[Note: release on time] in ``_pipeline.py`` says who releases what, and when.
 
 [Note: content fingerprints] The records of a wave's reads (identities, version counters, wrapped collectives:
 [Note: a wave's reads] above) cannot see every writer: ``Tensor.data`` edits, memory shared through
@@ -77,11 +77,11 @@ import torch
 import xxhash
 from torch import Tensor
 
-from .exchanges import Leg
-from .lanes import LaneHandle
-from .placement import MuonParam, local_tensor
-from .scheduler.waves import Wave
-from .version_fix import clipped_only, versions, wait_in_flight, writer_of
+from ._exchanges import Leg
+from ._lanes import LaneHandle
+from ._placement import MuonParam, local_tensor
+from ._scheduler.waves import Wave
+from ._version_fix import clipped_only, versions, wait_in_flight, writer_of
 
 __all__ = ["Hyper", "Reads", "versions", "WaveState", "EarlyRelease", "LateRelease", "fingerprint"]
 
@@ -264,7 +264,7 @@ class Reads:
             if m.param.grad is not g:
                 return "grad_replaced"
             if versions(g) != v and self.content and clipped_only(g, v):
-                self.clipped = True  # [Note: a clip that does not bite] in version_fix.py: its bytes decide
+                self.clipped = True  # [Note: a clip that does not bite] in _version_fix.py: its bytes decide
             elif versions(g) != v:
                 op = writer_of(g)
                 return f"grad_edited:{op}" if op else "grad_edited"
@@ -299,7 +299,7 @@ class WaveState:
     packed: list[Tensor | None] | None = None
     """Shards, bf16: the NS inputs (``pack``; released after ``from_home``)."""
     legs: list[Leg] | None = None
-    """One per exchange the wave uses (``overlap_muon.exchanges``): the exchanged params, then the replicated ones;
+    """One per exchange the wave uses (``overlap_muon._exchanges``): the exchanged params, then the replicated ones;
     each holds its matrices, results and route (``pack``; released after ``from_home``)."""
     updates: list[Tensor] | None = None
     """Shards, bf16: this rank's block of each NS result (``from_home``; released after the apply)."""

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .scheduler import first_plan_difference, param_fingerprints, plan_hash
-from .scheduler.waves import Wave
+from ._scheduler import first_plan_difference, param_fingerprints, plan_hash
+from ._scheduler.waves import Wave
 
 from .config import ENV_VARS, OverlapMuonConfig
-from .placement import MuonParam
+from ._placement import MuonParam
 
 __all__ = ["raise_everywhere", "check_plan_everywhere", "differs_across_ranks", "option_errors"]
 
@@ -81,7 +81,7 @@ def check_plan_everywhere(muon: Sequence[MuonParam], waves: Sequence[Wave], plan
     """Every rank of a stage must plan the same waves, or the exchanges would pair up wrongly: compare a hash of
     the plan (``scheduler.plan_hash``, over the params' places and ``plans``: each wave plan's ``describe()``)
     across the ranks of each of ``stages`` (default: one stage, every rank; [Note: pipeline stages] in
-    ``discovery.py``), once, at construction (the options were compared before the groups were made,
+    ``_discovery.py``), once, at construction (the options were compared before the groups were made,
     :func:`option_errors`).
 
     Raises:

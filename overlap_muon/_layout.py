@@ -1,7 +1,7 @@
 """The shard-index rule: ``torch.chunk`` splits (:func:`chunk_sizes`), and which block of a full ``(P, Q)`` matrix
 each rank of an ``R x T`` domain holds (:func:`block`). Every shard layout and team split of the project follows it.
 
-Pure Python (no torch): the planner (``overlap_muon.scheduler``) imports it as well as the layout and math modules,
+Pure Python (no torch): the planner (``overlap_muon._scheduler``) imports it as well as the layout and math modules,
 which in turn never import the planner (``tests/test_structure.py``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ __all__ = ["chunk_sizes", "chunk_offsets", "block", "block_shape", "team_row_cou
 #: ``k = 1.5`` and 1.5x at ``k = 4``. Measured on an AMX bf16 Xeon, 1 thread: 4096^2 0.83x, 1024x4096 1.46x,
 #: 2048x8192 1.45x. Below ``k = 4`` the gain is small and the error larger (384x768: 1.22-1.33 times plain NS's
 #: error against float64, 512x2048: 1.17-1.21), so those shapes keep the plain iteration
-#: ([Note: Gram Newton-Schulz] in ``overlap_muon/ns.py``).
+#: ([Note: Gram Newton-Schulz] in ``overlap_muon/_ns.py``).
 GRAM_MIN_ASPECT = 4.0
 
 

@@ -2,7 +2,7 @@
 a pipelining stage), ``async_step``'s forward waits, the ``state_dict`` waits and the version fix, and how all of
 it is undone.
 
-The runtime (``runtime.py``) receives the readiness (``on_ready``, ``on_backward_end``, ``on_ddp_backward_end``);
+The runtime (``_runtime.py``) receives the readiness (``on_ready``, ``on_backward_end``, ``on_ddp_backward_end``);
 this room only connects it. Every callback holds the runtime weakly (``hooks.weak_callback``): a dropped optimizer
 is not kept alive by its hooks.
 """
@@ -15,11 +15,11 @@ from typing import Any
 
 from torch import nn
 
-from . import version_fix
-from .forward_waits import ForwardWaits
-from .hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
-from .lanes import flag_to_host
-from .messages import warn_user
+from . import _version_fix as version_fix
+from ._forward_waits import ForwardWaits
+from ._hooks import GradReadyTracker, attach_ddp_readiness, watch_stage, weak_callback
+from ._lanes import flag_to_host
+from ._messages import warn_user
 
 try:
     from torch.distributed.tensor import DTensor

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from overlap_muon.domain import Domain
+from overlap_muon._domain import Domain
 
-from overlap_muon.layout import block
+from overlap_muon._layout import block
 
 from ._checks import _check_domain_inputs
 from ._route import _block_region, _host_staged, _narrow

@@ -12,7 +12,6 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 
 __all__ = ["EndOfBackward", "GradReadyTracker", "weak_callback"]

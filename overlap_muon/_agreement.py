@@ -54,7 +54,7 @@ class Agreement:
         self._adamw_elsewhere: set[int] = set()
 
     def stale(self, st: WaveState, hyper: Hyper, state: Any) -> str | None:
-        """Would the wave compute something else if launched now, and why (a cause of ``messages.RERUN_CAUSES``)?
+        """Would the wave compute something else if launched now, and why (a cause of ``_messages.RERUN_CAUSES``)?
         Its params with a gradient, then what its pack read ([Note: a wave's reads] in ``_wave_state.py``).
         Host-side only."""
         items = [i for i in st.wave.params if self.muon[i].param.grad is not None]

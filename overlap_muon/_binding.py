@@ -53,7 +53,7 @@ class ParamBinding:
         model: the model (held as torch optimizers hold their params: the params it replaces are not).
         config: the options.
         rank: this rank.
-        recipe: :func:`builder.place`'s keyword arguments (``muon_filter``, ``experts``, ``split``,
+        recipe: :func:`_builder.place`'s keyword arguments (``muon_filter``, ``experts``, ``split``,
             ``max_grad_norm``, ``adamw_groups``, ``mesh``).
         qk_spec: the ``QKClip`` given, or ``None``.
 
@@ -85,7 +85,7 @@ class ParamBinding:
                       "this model's params; call its close() before building a new one on the same model")
 
     def place(self) -> builder.Placement:
-        """Sort and place the model's params, every check on every rank (``builder.place``)."""
+        """Sort and place the model's params, every check on every rank (``_builder.place``)."""
         return builder.place(self.model, self.config, self.rank, **self.recipe)
 
     def bind(self, placed: builder.Placement) -> None:

@@ -10,8 +10,8 @@ group creation (``_comm.py``).
 [Note: what is checked where] The mesh or groups are checked first: every per-param check would be meaningless
 without a domain. Then each param's placement and shape (``_placement.py``), the expert layout, the options (the
 ranks must agree on them), the ``split`` patterns, ``max_grad_norm``'s needs and the AdamW groups; all errors of a
-rank are gathered and raised together, on every rank (``checks.raise_everywhere``). The wave plan is compared across
-ranks after it is made (``checks.check_plan_everywhere``).
+rank are gathered and raised together, on every rank (``_checks.raise_everywhere``). The wave plan is compared across
+ranks after it is made (``_checks.check_plan_everywhere``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Placement:
     muon: list[MuonParam]
     """The Muon matrices (a grouped expert weight is one per expert)."""
     adamw_groups: list[dict[str, Any]]
-    """The AdamW param groups (``sorting.adamw_param_groups``)."""
+    """The AdamW param groups (``_sorting.adamw_param_groups``)."""
     layouts: list[list[list[int]]] | None
     """Every dense domain's ``layout[g][t] = global rank`` (``None``: one process or no domain)."""
     elayouts: list[list[list[int]]] | None
@@ -102,7 +102,7 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
 
 def check_arguments(hp: dict[str, Any], max_grad_norm: Any, muon_filter: Any) -> None:
     """The constructor's arguments: ``hp``, ``torch.optim.Muon``'s hyper-parameters (its checks and messages:
-    ``muon_math.check_hyperparameters``), then ours.
+    ``_muon_math.check_hyperparameters``), then ours.
 
     Raises:
         ValueError: a hyper-parameter is out of range, or ``max_grad_norm`` is not a positive number or ``None``.
@@ -309,7 +309,7 @@ _SPLIT_SHOWN: list[bool] = []  # the one-line split summary was shown in this pr
 
 
 def make_groups(p: Placement, config: OverlapMuonConfig, rank: int) -> CommContext:
-    """Every process group of the runtime (``comm.build_comm``; collective over the default group)."""
+    """Every process group of the runtime (``_comm.build_comm``; collective over the default group)."""
     distributed = p.layouts is not None and dist.get_world_size() > 1
     dp_on = (distributed and config.dp_slots and config.mode == "layer_sharded"
              and any(len(part) > 1 for part in stage_replicas(p.layouts, p.stages)))
@@ -396,7 +396,7 @@ def plan(order: list[int], muon: list[MuonParam], costs: list[float], config: Ov
         per_node: the dense domain's ranks per node where its exchanges run in two hops: its homes then know
             nodes ([Note: homes that know nodes] in ``scheduler/homes.py``; not with DP slots, whose homes
             interleave replicas).
-        strategies: each param's NS strategy (``ns_strategy.ns_strategies``; ``None``: every param at its home).
+        strategies: each param's NS strategy (``_ns_strategy.ns_strategies``; ``None``: every param at its home).
     """
     cfg = config
 

@@ -77,7 +77,7 @@ def clip_grads_by_total_norm_(grads: Sequence[Tensor], max_norm: float) -> tuple
 
 class ClipCount:
     """Counts the steps whose clip bit, without a host sync: a device flag is counted once the copy that carries
-    it to the host has completed (``lanes.flag_to_host``), a step or more later."""
+    it to the host has completed (``_lanes.flag_to_host``), a step or more later."""
 
     def __init__(self) -> None:
         self._pending = FlagQueue()

@@ -170,11 +170,11 @@ def discover_expert_layouts(
     copy of the dense domain). Without ETP (no ``etp_dim`` in the mesh, no ``etp_group``) each rank's experts are
     its own: a ``1 x 1`` domain per rank, NS runs where the matrix lives, nothing is exchanged. Both domains' waves
     are cut from one readiness order into one wave list that every rank launches in the same order
-    (``OverlapMuon._plan``), and each lane runs its tasks in that order, so every rank posts the collectives of
-    both domains in one global order: the dense groups span the expert ones, and a rank can only wait for a peer
-    that is waiting for an earlier collective of the same order, never for a later one (no cycle, no hang). A
-    rank whose experts have no gradient in a step still runs the (empty) waves' presence agreement within its ETP
-    group and skips their exchanges, as its ETP peers do.
+    (``_builder.plan``, ``_scheduler.plan_by_domain``), and each lane runs its tasks in that order, so every rank
+    posts the collectives of both domains in one global order: the dense groups span the expert ones, and a rank
+    can only wait for a peer that is waiting for an earlier collective of the same order, never for a later one (no
+    cycle, no hang). A rank whose experts have no gradient in a step still runs the (empty) waves' presence agreement
+    within its ETP group and skips their exchanges, as its ETP peers do.
 
     Args:
         mesh: a ``DeviceMesh`` with an ``ep_dim`` and/or an ``etp_dim`` (other dims are replicate dims).

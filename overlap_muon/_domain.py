@@ -9,7 +9,7 @@ Group ranks follow global-rank order (``torch.distributed.new_group`` sorts), so
 standard layout in which global ranks increase with ``g*T + t`` inside a domain; then the group rank is ``g`` in
 ``remat_group``, ``t`` in ``tp_group`` and ``g*T + t`` in ``flat_group``.
 
-Which block of a matrix a rank holds is ``layout.block``; the domains' layouts come from ``_discovery.py``; where each
+Which block of a matrix a rank holds is ``_layout.block``; the domains' layouts come from ``_discovery.py``; where each
 param lies in its domain, ``_placement.py``.
 """
 

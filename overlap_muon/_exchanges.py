@@ -119,7 +119,7 @@ class ExchangeContext:
     """``mode="gram"``: NS steps between two all-reduces of a matrix's Gram (``_gram_mode.py``)."""
 
     def ns(self, mats: list[Tensor], kw: dict[str, Any]) -> list[Tensor]:
-        """NS of each ``(P, Q)`` bf16 matrix (``ns.zeropower_each``; same-shape ones batched with ``batch_ns``).
+        """NS of each ``(P, Q)`` bf16 matrix (``_ns.zeropower_each``; same-shape ones batched with ``batch_ns``).
         Two threads may run it at once ([Note: a waiting thread helps] in ``_lanes.py``): the counts add under a
         lock."""
         counts = {"ns_matrices": 0, "ns_calls": 0}

@@ -29,7 +29,7 @@ class Strategies:
     """What the planner needs of the picks.
 
     Attributes:
-        gram: params NS'd in Gram space, each with whether its rows are split (``gram_mode.gram_orientations``);
+        gram: params NS'd in Gram space, each with whether its rows are split (``_gram_mode.gram_orientations``);
             ``None`` where no param may be.
         duplicated: params every rank of the domain gathers and NS's (``mode="auto"`` only).
         picks: per Muon param, its strategy.

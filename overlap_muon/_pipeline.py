@@ -68,7 +68,7 @@ class WavePipeline:
     Args:
         muon: the Muon params (index ``i`` is ``muon[i].index``).
         state: the optimizer's ``state`` dict (``state[param]["momentum_buffer"]``).
-        comm: the runtime's groups (``comm.build_comm``): the dense domain with the group sets of the gather and
+        comm: the runtime's groups (``_comm.build_comm``): the dense domain with the group sets of the gather and
             the scatter lanes ([Note: one process-group set per communicating lane] in ``_lanes.py``), the expert
             domain's (the routes of the waves with ``wave.domain == 1``, [Note: two domains] in ``_discovery.py``;
             without one, expert matrices are this rank's own, NS'd where they live), the DP slots ([Note: DP
@@ -403,7 +403,7 @@ class WavePipeline:
 
     def set_plans(self, plans: Sequence[WavePlan]) -> None:
         """The wave plan changed (construction, or the observed readiness order): build each wave's exchange from
-        its frozen plan (``exchanges.build_exchange``); the routing caches are per (wave, params), so drop them."""
+        its frozen plan (``_exchanges.build_exchange``); the routing caches are per (wave, params), so drop them."""
         self._ctx.routes.clear()
         if self._ctx.buffers is not None:
             self._ctx.buffers.clear()

@@ -56,7 +56,7 @@ class Runtime:
         state: the optimizer's state mapping (:meth:`set_state` when it is replaced).
         groups: returns the optimizer's param groups now (the Muon group's hyper-parameters are read at each
             launch and commit; the AdamW params' gradient presence is agreed too).
-        comm: the groups (``comm.build_comm``).
+        comm: the groups (``_comm.build_comm``).
         ns_steps: for the NS cost.
     """
 
@@ -117,7 +117,7 @@ class Runtime:
             self.wiring.waits.register_wait(module, params)
 
     def plan_waves(self, order: list[int]) -> None:
-        """Plan the waves for a gradient-ready ``order`` (``builder.plan``); hand their frozen plans to the
+        """Plan the waves for a gradient-ready ``order`` (``_builder.plan``); hand their frozen plans to the
         pipeline."""
         self.order = order
         self.waves, self.wave_plans = builder.plan(order, self.muon, self.costs, self.config, self.sizes,

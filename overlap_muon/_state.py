@@ -2,12 +2,12 @@
 :meth:`OverlapMuon.load_state_dict` touches anything.
 
 [Note: lazy state] As in torch, a param gets its state at its first gradient: Muon momentum when ``step()``
-commits its first update (``pipeline.WavePipeline.commit``), AdamW moments in the inner ``torch.optim.AdamW``'s own
+commits its first update (``_pipeline.WavePipeline.commit``), AdamW moments in the inner ``torch.optim.AdamW``'s own
 ``step()``. A frozen param (LoRA's base weights) costs no optimizer memory. DCP needs the same state keys on every
 rank: Muon params agree by construction (a param with a gradient on some ranks of its domain and not on others is
 a ``ValueError``), and an AdamW param that has a gradient on another rank but not here gets here the zero state
 AdamW would create for it (:func:`init_adamw_state`), decided by the step's agreement on the runtime's gloo group
-(``agreement.Agreement.adamw_elsewhere``). A param with no gradient on any rank has no state anywhere.
+(``_agreement.Agreement.adamw_elsewhere``). A param with no gradient on any rank has no state anywhere.
 """
 
 from __future__ import annotations

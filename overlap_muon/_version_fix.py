@@ -2,7 +2,7 @@
 
 [Note: DTensor foreach versions] Overlap mode computes a wave from the gradients as backward leaves them and, at
 ``step()``, re-runs every wave whose gradients changed since: it compares each gradient's ``_version`` (and its
-local tensor's) with the values it saw at launch (``agreement.Agreement.stale``). torch 2.13 edits gradients
+local tensor's) with the values it saw at launch (``_agreement.Agreement.stale``). torch 2.13 edits gradients
 in place without moving any version counter in two places that sit exactly between ``backward()`` and ``step()``:
 
 * in-place *foreach* ops on DTensors: ``torch._foreach_mul_([dt], c)`` changes the local tensor and leaves both
@@ -320,7 +320,7 @@ def clip_bit() -> bool:
 
 
 class FlagQueue:
-    """Flags on their way to the host, oldest first: ``(event, host)`` pairs (``lanes.flag_to_host``; ``event``
+    """Flags on their way to the host, oldest first: ``(event, host)`` pairs (``_lanes.flag_to_host``; ``event``
     ``None`` for a flag already on the host). :meth:`drain` returns the ones readable without a sync."""
 
     def __init__(self, bound: int = 64) -> None:
@@ -357,7 +357,7 @@ def acquire(mesh: Any = None, flag_mover: Callable[[torch.Tensor], tuple[Any, to
             ) -> set[str]:
     """:func:`install` for one more user (an ``OverlapMuon(overlap=True)``); :func:`release` undoes it once the
     last user is gone. Logs on rank 0 what it wrapped and why, the first time it wraps anything. ``flag_mover``:
-    copies a device flag to the host behind an event (``lanes.flag_to_host``; :func:`clip_bit` reads those)."""
+    copies a device flag to the host behind an event (``_lanes.flag_to_host``; :func:`clip_bit` reads those)."""
     global _users
     with _lock:
         _users += 1

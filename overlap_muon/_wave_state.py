@@ -79,7 +79,7 @@ from torch import Tensor
 
 from ._exchanges import Leg
 from ._lanes import LaneHandle
-from ._placement import MuonParam, local_tensor
+from ._placement import MuonParam
 from ._scheduler.waves import Wave
 from ._version_fix import clipped_only, versions, wait_in_flight, writer_of
 
@@ -248,9 +248,9 @@ class Reads:
         return (fingerprint(self.read_tensors) != self.fp).any()
 
     def change(self, state: Any, hyper: Hyper, mps: Sequence[MuonParam]) -> str | None:
-        """What the wave would read differently now (``None``: nothing): a key of ``messages.RERUN_CAUSES``, or
+        """What the wave would read differently now (``None``: nothing): a key of ``_messages.RERUN_CAUSES``, or
         ``grad_edited:<op>`` naming the op that last wrote a gradient in place where it is known
-        (``version_fix.writer_of``). Gradients that only a device clip moved leave the verdict to the content check
+        (``_version_fix.writer_of``). Gradients that only a device clip moved leave the verdict to the content check
         (:attr:`clipped`). ``mps``: the wave's params with a gradient now (the caller has checked that
         they are the ones it launched with). Host-side only."""
         if self.buf_versions is None:
@@ -318,7 +318,7 @@ class WaveState:
     h_apply: LaneHandle | None = None
     committed: bool = False
     momentum: Any = None
-    """How the wave commits its momentum (``muon_math.CommitAtApply`` / ``KeepForApply`` / ``CommitAtPack``, chosen
+    """How the wave commits its momentum (``_muon_math.CommitAtApply`` / ``KeepForApply`` / ``CommitAtPack``, chosen
     at launch; the one that keeps the new momentum holds it until the apply)."""
 
     def handles(self) -> list[LaneHandle]:

@@ -40,7 +40,7 @@ def _remove_all(handles: list, pipeline: Any, fixed: list[bool]) -> None:
 
 
 class Wiring:
-    """The hooks of one runtime ``rt`` (a ``runtime.Runtime``: its params, config, pipeline and callbacks).
+    """The hooks of one runtime ``rt`` (a ``_runtime.Runtime``: its params, config, pipeline and callbacks).
 
     Attributes:
         tracker: the per-param gradient-ready hooks (``None`` without overlap, or once DDP or a stage reports).

@@ -60,7 +60,7 @@ class OverlapMuon(torch.optim.Optimizer):
             ``(name, param) -> RowSplit | None``; equal to ``torch.optim.Muon`` on each part as its own param.
         adamw_groups: several AdamW groups, ``[{"params": selector, **overrides}, ...]`` (a ``(name, param) ->
             bool`` callable or names; a param goes to the first group that selects it, the rest to a last group with
-            ``adamw_kwargs``: ``sorting.adamw_param_groups``). They follow the Muon group in ``param_groups``.
+            ``adamw_kwargs``: ``_sorting.adamw_param_groups``). They follow the Muon group in ``param_groups``.
         muon_filter: ``(name, param) -> bool`` picking Muon params; default ([Note: the default split] in
             ``overlap_muon/_sorting.py``): 2-D weights of ``nn.Linear`` and HF ``Conv1D`` modules, except embeddings
             (and weights tied to them) and the output head. A ``Conv1D`` weight (stored ``(in, out)``) is

@@ -164,9 +164,9 @@ class QKClipper:
     Args:
         spec: the :class:`QKClip`.
         model: the model (the attention modules are found from the weights' names).
-        muon: the optimizer's Muon params (``placement.MuonParam``), for names, shapes and layouts.
-        domain: this rank's place in the weight-shard domain (``domain.Domain``): a TP shard of the attention
-            records heads ``[t*h/T, (t+1)*h/T)``, and a plain shard holds the rows ``layout.block`` gives.
+        muon: the optimizer's Muon params (``_placement.MuonParam``), for names, shapes and layouts.
+        domain: this rank's place in the weight-shard domain (``_domain.Domain``): a TP shard of the attention
+            records heads ``[t*h/T, (t+1)*h/T)``, and a plain shard holds the rows ``_layout.block`` gives.
         group: the group over which the max is taken (every rank of the stage: TP peers and data-parallel
             ranks), or ``None`` in one process.
 

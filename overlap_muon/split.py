@@ -133,7 +133,7 @@ def strided_parts(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, 
     true one with its rows permuted. That is FSDP2's strided order with the pieces as the outer split: piece ``i``'s
     block on rank ``t`` is ``block(full_shape, 0, T, split_factor, t, i)``. Each true part (the whole matrix when
     ``parts`` is ``None``) becomes the list of its rows' positions in the assembled matrix, in true order, so
-    ``ns.split_ns`` gathers the true matrix (or part), orthogonalizes it and puts each result row back where the
+    ``_ns.split_ns`` gathers the true matrix (or part), orthogonalizes it and puts each result row back where the
     rank holding it reads it; :func:`apply_runs` then gives every local run its true region and lr ratio.
 
     Args:
@@ -161,7 +161,7 @@ def apply_runs(parts: Sequence[Sequence[int]] | None, full_shape: tuple[int, int
                shard: tuple[int, int, int, int]) -> tuple[tuple[int, int, tuple[int, int], tuple[int, int, int, int]], ...]:
     """How a shard applies its update, in runs of local rows that belong to one matrix (the whole matrix, or one
     part of a split one): ``(start, stop, matrix_shape, region)``, where ``matrix_shape`` sets the lr ratio and
-    ``region = (row0, rows, col0, cols)`` places the run in that matrix (``muon_math.apply_update`` rounds as torch
+    ``region = (row0, rows, col0, cols)`` places the run in that matrix (``_muon_math.apply_update`` rounds as torch
     does on it).
 
     Args:

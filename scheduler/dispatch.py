@@ -202,8 +202,8 @@ class LearnedEdits:
     step's edit is agreed over the ranks (one host flag).
 
     Args:
-        snapshot: what the gradients are now (``version_fix.snapshot``), taken at the end of a held backward.
-        edited: whether the gradients were edited since a snapshot (``version_fix.edited_since``).
+        snapshot: what the gradients are now (``_version_fix.snapshot``), taken at the end of a held backward.
+        edited: whether the gradients were edited since a snapshot (``_version_fix.edited_since``).
     """
 
     def __init__(self, snapshot: Callable[[], Any], edited: Callable[[Any], bool]) -> None:

@@ -38,10 +38,10 @@ class WavePlan:
     gram_tall: tuple[tuple[int, bool], ...] = ()
     """``mode="gram"`` (or ``auto``'s Gram picks): the wave's params NS'd in Gram space over their blocks, each with
     whether its rows are split (its Gram is over its columns); the pipeline gives them a leg of their own
-    (``exchanges.Gram``)."""
+    (``_exchanges.Gram``)."""
     gathered: tuple[int, ...] = ()
     """``mode="auto"``'s duplicated picks in a ``routed`` wave: every rank gathers them and runs their NS (a leg of
-    their own, ``exchanges.Gathered``)."""
+    their own, ``_exchanges.Gathered``)."""
 
     def describe(self) -> tuple:
         """Everything about the plan as plain values, for the cross-rank hash."""

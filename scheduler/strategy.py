@@ -14,7 +14,7 @@
   its block's ``m x m`` Gram (``2*m*m*n/S`` FLOPs), ``ceil(ns_steps / k)`` fp32 all-reduces of it (a ring: ``2 *
   (S-1)/S * 4*m*m`` bytes each, one latency each, per matrix), the iteration on ``m x m`` fp32 matrices (``8*m**3``
   FLOPs a step) and the polynomial applied to its block at each restart and at the end (``2*m*m*n/S``), all at
-  the fp32 rate. Only where the matrix is split along its long side (``gram_mode.gram_orientations``) and where
+  the fp32 rate. Only where the matrix is split along its long side (``_gram_mode.gram_orientations``) and where
   its fp32 Gram is not larger than the bf16 shard it replaces; only where the user allows inexact NS.
 
 A transfer of ``b`` bytes takes ``b / bandwidth``, the bandwidth of the links its peers sit behind: within a node

@@ -75,11 +75,10 @@ from .surplus_cost import (
     _dup_served,
     _estimate,
     _Nodes,
-    matrix_estimate_s,
     team_splits_poly,
 )
 
-__all__ = ["POLICIES", "CPU_GLOO", "duplicate_homes", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus", "matrix_estimate_s",
+__all__ = ["POLICIES", "CPU_GLOO", "duplicate_homes", "SurplusCostModel", "SurplusAssignment", "SurplusPlan", "plan_surplus",
            "team_row_counts", "serving_homes", "every_rank_kinds", "team_splits_poly"]
 
 #: The surplus policies, in the order ``auto`` prefers them on a tie.

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .cost import _check_shape, ns_flops
-from .homes import _check_num_ranks
 
-__all__ = ["SurplusCostModel", "CPU_GLOO", "PROFILES", "matrix_estimate_s", "team_splits_poly"]
+__all__ = ["SurplusCostModel", "CPU_GLOO", "PROFILES", "team_splits_poly"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,37 +209,3 @@ def team_splits_poly(shape: tuple[int, int], k: int, cost_model: SurplusCostMode
 
 def _estimate(shape: tuple[int, int], kind: str, ranks: Sequence[int], nodes: _Nodes, cm: SurplusCostModel) -> float:
     return max(a + b + c for a, b, c in _estimate_parts(shape, kind, ranks, nodes, cm))
-
-
-def matrix_estimate_s(
-    shape: tuple[int, int],
-    kind: str,
-    ranks: Sequence[int],
-    num_ranks: int,
-    cost_model: SurplusCostModel | None = None,
-) -> float:
-    """The cost model's to-home + NS + back of one matrix, seconds; see [Note: surplus cost model].
-
-    Args:
-        shape: the full logical ``(P, Q)``.
-        kind: ``"single"``, ``"duplicate"`` or ``"team"``.
-        ranks: the domain ranks holding it (one for ``"single"``), distinct, in ``[0, num_ranks)``.
-        num_ranks: the domain size ``S``.
-        cost_model: machine figures (default :class:`SurplusCostModel`).
-
-    Raises:
-        ValueError: bad shape, kind or ranks.
-    """
-    cm = cost_model or SurplusCostModel()
-    _check_num_ranks(num_ranks)
-    shape = _check_shape(shape)
-    if kind not in ("single", "duplicate", "team"):
-        raise ValueError(f"kind must be 'single', 'duplicate' or 'team', got {kind!r}")
-    ranks = list(ranks)
-    if not ranks or len(set(ranks)) != len(ranks) or any(
-        isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < num_ranks for r in ranks
-    ):
-        raise ValueError(f"ranks must be distinct ints in [0, {num_ranks}), got {ranks!r}")
-    if kind == "single" and len(ranks) != 1:
-        raise ValueError(f"a 'single' matrix has one home, got ranks {ranks!r}")
-    return _estimate(shape, kind, ranks, _Nodes(num_ranks, cm.ranks_per_node), cm)

@@ -10,7 +10,6 @@ from overlap_muon._scheduler import ns_flops, plan_waves
 from overlap_muon._scheduler.surplus import (
     POLICIES,
     SurplusCostModel,
-    matrix_estimate_s,
     plan_surplus,
     serving_homes,
     team_row_counts,
@@ -94,8 +93,11 @@ def test_tall_and_wide_plan_the_same(shape):
     a = plan_surplus([0], {0: 3}, [shape], 8, "auto", _NS_BOUND)
     b = plan_surplus([0], {0: 3}, [shape[::-1]], 8, "auto", _NS_BOUND)
     assert a.assignments[0].ranks == b.assignments[0].ranks and a.wave_s == b.wave_s
-    assert matrix_estimate_s(shape, "team", [3, 2], 8, _NS_BOUND) == matrix_estimate_s(
-        shape[::-1], "team", [3, 2], 8, _NS_BOUND)
+    from overlap_muon._scheduler.surplus_cost import _estimate, _Nodes
+
+    nodes = _Nodes(8, _NS_BOUND.ranks_per_node)
+    assert _estimate(shape, "team", [3, 2], nodes, _NS_BOUND) == _estimate(shape[::-1], "team", [3, 2], nodes,
+                                                                             _NS_BOUND)
 
 
 def test_link_bound_machine_keeps_idle_under_auto():
@@ -171,10 +173,6 @@ def test_bad_input_names_the_problem():
         SurplusCostModel(team_efficiency=0)
     with pytest.raises(ValueError, match="ranks_per_node"):
         SurplusCostModel(ranks_per_node=0)
-    with pytest.raises(ValueError, match="kind"):
-        matrix_estimate_s((4, 4), "pair", [0], 2)
-    with pytest.raises(ValueError, match="one home"):
-        matrix_estimate_s((4, 4), "single", [0, 1], 2)
 
 
 def test_serving_homes_cover_every_rank():

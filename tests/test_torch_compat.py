@@ -669,7 +669,7 @@ def test_param_groups_name_their_params():
 def test_tensor_lr_is_read_on_the_host_once_per_step(monkeypatch):
     """Issue 46, finding 5: with a tensor ``lr`` every apply got a tensor alpha, which ``add_`` reads with
     ``.item()`` (on CUDA a device sync per param, as torch.optim.Muon pays); now the step reads the scaled lr of
-    each full shape once (``muon_math.host_alphas``) and every apply gets a float, the same double: bitwise torch
+    each full shape once (``_muon_math.host_alphas``) and every apply gets a float, the same double: bitwise torch
     (``test_tensor_lr_bitwise`` above)."""
     import overlap_muon._muon_math as mm
     import overlap_muon._pipeline as pl

@@ -20,7 +20,7 @@ Layouts (the weight-shard domain of a weight is its FSDP/remat x TP ranks; DP re
 - ``--gb300``: 32 GPUs of an NVL72 rack: the MoE preset with attention TP 2 x remat 8 (DP 2) and experts EP 8 x
   expert TP 2 (x expert FSDP 2), and llama3-70b with TP 2 x remat 8 (DP 2).
 
-A matrix is Gram-able where its shards split only its long side (the runtime's ``gram_mode.gram_orientations``).
+A matrix is Gram-able where its shards split only its long side (the runtime's ``_gram_mode.gram_orientations``).
 Estimates are planning figures of the cost model, not measurements.
 """
 
@@ -86,7 +86,7 @@ class Domain:
 
     def gram_ok(self) -> dict[int, bool]:
         """The weights whose shards split only their long side: the runtime's own rule
-        (``gram_mode.gram_orientations``) on stand-ins of the weights."""
+        (``_gram_mode.gram_orientations``) on stand-ins of the weights."""
         from types import SimpleNamespace
 
         from overlap_muon._gram_mode import gram_orientations

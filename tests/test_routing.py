@@ -316,13 +316,19 @@ def _domain_body(rank, world):
                 per_mode[fused] = runs[0]
             assert all(torch.equal(a, b) for a, b in zip(per_mode[False], per_mode[True]))
             # NS results laid out as zeropower gives a tall one (the transpose of a contiguous matrix), with
-            # reserved buffers, twice: the same blocks come back.
+            # reserved buffers, twice, two of them above the size copied whole first (_route._rows_first).
+            big = SPECS + [(257, 131, 0), (131, 257, 1)]
+            b_shapes, b_pds = [(P, Q) for P, Q, _ in big], [pd for *_, pd in big]
+            b_fulls = [_full(i, s, dtype) for i, s in enumerate(b_shapes)]
+            b_shards = [local_shard(f, pd, dom) for f, pd in zip(b_fulls, b_pds)]
+            b_homes = [(2 * i + 1) % max(W - 1, 1) for i in range(len(big))]
             bufs: dict = {}
             for _ in range(2):
-                mats, idx = to_homes(shards, homes, pds, shapes, dom, fused=True)
+                mats, idx = to_homes(b_shards, b_homes, b_pds, b_shapes, dom, fused=True)
                 ns = [(m * 3).mT.contiguous().mT for m in mats]
-                back = from_homes(ns, idx, shards, homes, pds, shapes, dom, fused=True, buffers=bufs)
-                assert all(torch.equal(a, b) for a, b in zip(back, per_mode[True][len(mats):])), (R, T)
+                back = from_homes(ns, idx, b_shards, b_homes, b_pds, b_shapes, dom, fused=True, buffers=bufs)
+                assert all(torch.equal(b, local_shard(f * 3, pd, dom))
+                           for b, f, pd in zip(back, b_fulls, b_pds)), (R, T)
             with _Count() as c:
                 gathered = all_gather_full(shards, pds, shapes, dom)
             assert c.total == (len(SPECS) if W > 1 else 0)

@@ -188,6 +188,8 @@ def _rows_first(x: Tensor, buffers: dict | None, name: str) -> Tensor:
     kernel, while a block of the transposed view copies element by element, several times slower."""
     if x.device.type != "cpu" or x.dim() != 2 or x.is_contiguous() or x.stride() != (1, x.size(0)):
         return x
+    if x.numel() < 1 << 15:  # below 32768 elements its blocks copy about as fast strided
+        return x
     return _buffer(buffers, name, x.numel(), x.dtype, x.device).view(x.shape).copy_(x)
 
 

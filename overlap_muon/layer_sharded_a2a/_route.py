@@ -147,11 +147,12 @@ def _host_staged(group: ProcessGroup | None, device: torch.device) -> bool:
 # [Note: reserved exchange buffers] On CPU a flat buffer of a few MB allocated afresh every step comes from the C
 # allocator's mmap and is returned to the OS when freed, so every step pays its page faults again: 6-8% of a
 # synchronous step in the peers bench (98 vs 105 ms with glibc's mmap threshold raised). The runtime therefore
-# keeps each routed exchange's send and receive buffers and assembled matrices per (direction, wave, params), as
-# torchtitan's DistMuon reserves its buffers. Safe because a wave's next use of them comes after its previous
-# results are dead: the next launch of a wave waits for the apply of the last one (its momentum writers), and a
-# re-run follows its discarded launch on the same FIFO lanes (the discarded one's results are dropped). Results
-# then alias the reserved buffers ([Note: results may alias]); the public routing API allocates afresh.
+# keeps each routed exchange's send and receive buffers, assembled matrices and rows-first input copies
+# (:func:`_rows_first`) per (direction, wave, params), as torchtitan's DistMuon reserves its buffers. Safe because a
+# wave's next use of them comes after its previous results are dead: the next launch of a wave waits for the apply
+# of the last one (its momentum writers), and a re-run follows its discarded launch on the same FIFO lanes (the
+# discarded one's results are dropped). Results then alias the reserved buffers ([Note: results may alias]); the
+# public routing API allocates afresh.
 
 
 def _buffer(buffers: dict | None, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:

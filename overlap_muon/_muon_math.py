@@ -119,6 +119,12 @@ def ns_input(grad: Tensor, new_buf: Tensor, momentum: float, nesterov: bool) -> 
     return u.bfloat16()
 
 
+#: Elements from which a strided update is copied into the param's layout before ``add_`` (CPU, one thread, fp32
+#: param, bf16 update: (128, 128) 14.0 us strided against 15.8 copied first, (256, 128) 32.7 against 24.9, (512, 256)
+#: 251 against 88).
+_DENSE_ADD_MIN = 1 << 15
+
+
 def apply_update(
     param: Tensor, update: Tensor, lr: float | Tensor, weight_decay: float, adjust_lr_fn: str | None,
     full_shape: Sequence[int], region: tuple[int, int, int, int] | None = None, alpha: float | None = None,
@@ -152,12 +158,6 @@ def apply_update(
             # torch's kernel path], fp32 arithmetic on both paths).
             update = torch.empty_like(param, dtype=update.dtype).copy_(update)
         param.add_(update, alpha=alpha)
-
-
-#: Elements from which a strided update is copied into the param's layout before ``add_`` (CPU, one thread, fp32
-#: param, bf16 update: (128, 128) 14.0 us strided against 15.8 copied first, (256, 128) 32.7 against 24.9, (512, 256)
-#: 251 against 88).
-_DENSE_ADD_MIN = 1 << 15
 
 
 def host_alphas(lr: Tensor, adjust_lr_fn: str | None, shapes: Sequence[tuple[int, int]]) -> dict:
